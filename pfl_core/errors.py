@@ -1,0 +1,41 @@
+"""User-facing errors.
+
+Anything a user can cause with a spec, a flag or a missing file raises a ``PflError``. The
+command line turns it into one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class PflError(Exception):
+    """An error the user can fix; its message is one line."""
+
+
+class SpecError(PflError):
+    """A spec value is wrong. ``path`` is the TOML key path, e.g. ``partition.params.alpha``."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class DataError(PflError):
+    """A dataset cannot be found or read."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest valid name, or '' if none is close."""
+    close = difflib.get_close_matches(str(name), sorted(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def unknown_name(path: str, kind: str, name: str, choices: Iterable[str]) -> SpecError:
+    choices = sorted(choices)
+    return SpecError(
+        path,
+        f"unknown {kind} '{name}'{did_you_mean(name, choices)}; available: {', '.join(choices)}",
+    )

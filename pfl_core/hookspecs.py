@@ -1,0 +1,103 @@
+"""The hooks a method implements. Each docstring is the hook's contract.
+
+A round, as the engine runs it (see docs/architecture.md)::
+
+    participants = select_clients(ctx, round)
+    on_round_start(ctx, round, participants)
+    weights      = client_weighting(ctx, participants)
+    for each participant i (through the executor, lazily):
+        message = on_broadcast(ctx, client_id=i)           # bytes counted down
+        on_receive(ctx, client, message)                   # client merges it
+        local_train(ctx, client)                           # batches call local_objective
+        upload  = client_upload(ctx, client)               # bytes counted up
+    server_aggregate(ctx, uploads, weights)                # uploads: iterator of (i, upload)
+    on_round_end(ctx, round)
+    every evaluation.every rounds: personalized_models(ctx, client) for every client
+
+``ctx`` is the :class:`pfl_core.context.RunContext`; ``client`` a
+:class:`pfl_core.context.Client`. Server state lives in ``ctx.server`` and per-client state
+in ``client.state`` (engine-owned stores): plugins keep no state of their own between rounds,
+so a round can run elsewhere and a run can be checkpointed.
+
+Hooks marked *firstresult* take the first non-None answer: the method's, since the core
+defaults are registered first and pluggy calls later registrations first. Use pluggy hook
+wrappers (``@hookimpl(wrapper=True)``) to wrap another plugin's answer (noise on uploads,
+flipped labels, compression).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "pfl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class Hooks:
+    @hookspec
+    def check_spec(self, spec):
+        """Validate what this plugin needs from the spec (a public set, a model family...)
+        before any data is loaded. Raise :class:`pfl_core.errors.SpecError` naming the key."""
+
+    @hookspec
+    def setup(self, ctx):
+        """Once, before round 1: initialise ``ctx.server`` and any client state."""
+
+    @hookspec(firstresult=True)
+    def select_clients(self, ctx, round):
+        """The ids of this round's participants (default: ``experiment.participation`` of all
+        training clients, drawn with the round's seeded RNG)."""
+
+    @hookspec
+    def on_round_start(self, ctx, round, participants):
+        """Server-side work before clients train (e.g. pick this round's mix factors)."""
+
+    @hookspec(firstresult=True)
+    def client_weighting(self, ctx, participants):
+        """Aggregation weights: ``{client_id: weight}`` summing to 1 (default: train sizes)."""
+
+    @hookspec(firstresult=True)
+    def on_broadcast(self, ctx, client_id):
+        """Server side: the message (a dict of named payloads) sent to one client this round.
+        Its bytes are counted as downstream communication. Default: an empty message."""
+
+    @hookspec(firstresult=True)
+    def on_receive(self, ctx, client, message):
+        """Client side: merge the broadcast into the client's state and working model
+        (copy weights, mix layers, store consensus labels...)."""
+
+    @hookspec(firstresult=True)
+    def local_train(self, ctx, client):
+        """The client's local update. Default: ``training.local_epochs`` epochs of the
+        configured optimiser on the client's train split, each batch's loss the sum of all
+        ``local_objective`` terms. Return a dict of metrics or None."""
+
+    @hookspec
+    def local_objective(self, ctx, client, model, x, y, logits):
+        """One term of the loss for one batch; the engine sums every plugin's term. The core
+        contributes cross-entropy(logits, y); FedProx adds its proximal term."""
+
+    @hookspec(firstresult=True)
+    def client_upload(self, ctx, client):
+        """Client side: the message sent to the server (bytes counted upstream). It stays valid
+        only until the next client runs: copy what you keep. Default: an empty message."""
+
+    @hookspec(firstresult=True)
+    def server_aggregate(self, ctx, uploads, weights):
+        """Turn the round's uploads into the next server state. ``uploads`` is an iterator of
+        ``(client_id, message)`` that runs each client as it is consumed, so a streaming
+        aggregate holds one upload at a time. Unconsumed clients still run afterwards."""
+
+    @hookspec
+    def on_round_end(self, ctx, round):
+        """After aggregation. May return a dict of extra metrics to log for this round."""
+
+    @hookspec(firstresult=True)
+    def personalized_models(self, ctx, client):
+        """The model(s) evaluated for this client: ``{metric_prefix: nn.Module}``; the prefix
+        ``""`` is the client's personalized model, others (``"server_"``) are logged beside."""
+
+    @hookspec
+    def on_finish(self, ctx):
+        """After the last round (final fine-tuning, cold-start clients). May return metrics."""

@@ -1,0 +1,390 @@
+"""The experiment spec: attrs classes structured from TOML with cattrs.
+
+One TOML file is the whole experiment. Every section below is an attrs class; plugin
+parameters (``algorithm.params``, ``addons[i].params``, ``data.params``, ``model.params``,
+``partition.params``) are kept as raw tables here and structured into each plugin's own
+attrs ``Params`` class by the registry, with the same strict converter, so a wrong key or
+type is always reported with its full TOML key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import attrs
+import cattrs
+from attrs import define, field
+from cattrs.errors import (
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+)
+
+from .errors import SpecError, did_you_mean
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+# ---------------------------------------------------------------------------
+# Validators: they raise FieldError, which the structuring code turns into a SpecError
+# carrying the full key path.
+
+
+class FieldError(ValueError):
+    def __init__(self, name: str, message: str):
+        self.name = name
+        self.message = message
+        super().__init__(f"{name}: {message}")
+
+
+def _check(predicate, description):
+    def validator(_instance, attribute, value):
+        if value is not None and not predicate(value):
+            raise FieldError(attribute.name, f"must be {description}, got {value!r}")
+
+    return validator
+
+
+def at_least(bound):
+    return _check(lambda v: v >= bound, f">= {bound}")
+
+
+def greater_than(bound):
+    return _check(lambda v: v > bound, f"> {bound}")
+
+
+def between(low, high, *, low_open=False, high_open=False):
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+
+    def ok(v):
+        above = v > low if low_open else v >= low
+        below = v < high if high_open else v <= high
+        return above and below
+
+    return _check(ok, f"in {lo}{low}, {high}{hi}")
+
+
+def finite(_instance, attribute, value):
+    if value is not None and not math.isfinite(value):
+        raise FieldError(attribute.name, f"must be a finite number, got {value!r}")
+
+
+def one_of(*choices):
+    def validator(_instance, attribute, value):
+        if value not in choices:
+            raise FieldError(
+                attribute.name,
+                f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+                + did_you_mean(value, choices),
+            )
+
+    return validator
+
+
+# ---------------------------------------------------------------------------
+# Spec sections
+
+
+@define
+class ExperimentSection:
+    name: str = "pfl"
+    seed: int = 0
+    rounds: int = field(default=10, validator=at_least(1))
+    # Fraction of clients sampled each round with the round's seeded RNG.
+    participation: float = field(default=1.0, validator=between(0, 1, low_open=True))
+    description: str = ""
+
+
+@define
+class DataSection:
+    name: str
+    params: dict[str, Any] = field(factory=dict)
+    # Pool the dataset's official test split with its training split before partitioning.
+    include_test: bool = False
+
+
+@define
+class PartitionSection:
+    num_clients: int = field(validator=at_least(1))
+    scheme: str = "iid"
+    params: dict[str, Any] = field(factory=dict)
+    # Each client must receive at least this many samples (before its train/val/test split).
+    min_samples: int = field(default=10, validator=at_least(1))
+    val_fraction: float = field(default=0.1, validator=between(0, 1, high_open=True))
+    test_fraction: float = field(default=0.2, validator=between(0, 1, low_open=True, high_open=True))
+
+    def __attrs_post_init__(self):
+        if self.val_fraction + self.test_fraction >= 1:
+            raise FieldError(
+                "test_fraction",
+                f"val_fraction + test_fraction must be < 1, got "
+                f"{self.val_fraction} + {self.test_fraction}",
+            )
+
+
+@define
+class PublicSection:
+    """The public unlabeled set U, carved from the training pool, disjoint from all clients."""
+
+    size: Optional[int] = field(default=None, validator=at_least(1))
+    fraction: Optional[float] = field(default=None, validator=between(0, 1, low_open=True, high_open=True))
+    sampling: str = field(default="balanced", validator=one_of("balanced", "dirichlet"))
+    alpha: float = field(default=1.0, validator=[finite, greater_than(0)])
+    # Whether U's labels are available to plugins (FedMD's transfer-learning step needs them).
+    labelled: bool = False
+
+    def __attrs_post_init__(self):
+        if (self.size is None) == (self.fraction is None):
+            raise FieldError("size", "give exactly one of public.size or public.fraction")
+
+
+@define
+class ModelSection:
+    name: str = "lenet5"
+    params: dict[str, Any] = field(factory=dict)
+    # Per-client architectures: an explicit list (one per client) or a pool assigned round-robin.
+    clients: Optional[list[str]] = None
+    pool: Optional[list[str]] = None
+    # Parameters for architectures named in clients/pool other than `name`.
+    arch_params: dict[str, dict[str, Any]] = field(factory=dict)
+
+    def __attrs_post_init__(self):
+        if self.clients is not None and self.pool is not None:
+            raise FieldError("pool", "give model.clients or model.pool, not both")
+        for key in ("clients", "pool"):
+            if getattr(self, key) is not None and len(getattr(self, key)) == 0:
+                raise FieldError(key, "must not be empty")
+
+
+@define
+class PluginRef:
+    name: str
+    params: dict[str, Any] = field(factory=dict)
+
+
+@define
+class TrainingSection:
+    local_epochs: int = field(default=1, validator=at_least(0))
+    batch_size: int = field(default=10, validator=at_least(1))
+    optimizer: str = field(default="sgd", validator=one_of("sgd", "adam"))
+    lr: float = field(default=0.01, validator=[finite, greater_than(0)])
+    momentum: float = field(default=0.0, validator=between(0, 1, high_open=True))
+    weight_decay: float = field(default=0.0, validator=at_least(0))
+    shuffle: bool = True
+
+
+@define
+class EvaluationSection:
+    every: int = field(default=1, validator=at_least(1))
+    batch_size: int = field(default=1024, validator=at_least(1))
+
+
+@define
+class TrackingSection:
+    enabled: bool = True
+    # Empty: MLflow's own default (a SQLite file mlflow.db in the working directory).
+    uri: str = ""
+    # Empty: experiment.name.
+    experiment: str = ""
+    # Empty: "<algorithm>" (plus the sweep values for a sweep).
+    run_name: str = ""
+    tags: dict[str, str] = field(factory=dict)
+    progress: bool = True
+
+
+@define
+class ExecutorSection:
+    name: str = field(default="sequential", validator=one_of("sequential"))
+    device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
+    # torch intra-op threads; 0 keeps torch's default.
+    threads: int = field(default=0, validator=at_least(0))
+
+
+@define
+class Spec:
+    data: DataSection
+    partition: PartitionSection
+    algorithm: PluginRef
+    experiment: ExperimentSection = field(factory=ExperimentSection)
+    model: ModelSection = field(factory=ModelSection)
+    public: Optional[PublicSection] = None
+    addons: list[PluginRef] = field(factory=list)
+    training: TrainingSection = field(factory=TrainingSection)
+    evaluation: EvaluationSection = field(factory=EvaluationSection)
+    tracking: TrackingSection = field(factory=TrackingSection)
+    executor: ExecutorSection = field(factory=ExecutorSection)
+    # dotted key -> list of values; the cartesian product runs as separate runs.
+    sweep: dict[str, list[Any]] = field(factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# Strict structuring: TOML values are never coerced ("3" is not an int, "false" not a bool).
+
+
+def _type_name(value) -> str:
+    return type(value).__name__
+
+
+def _strict(kind, accept, description):
+    def structure(value, _type):
+        if not accept(value):
+            raise TypeError(f"expected {description}, got {value!r} ({_type_name(value)})")
+        return kind(value)
+
+    return structure
+
+
+def make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    not_bool = lambda v: not isinstance(v, bool)  # noqa: E731
+    conv.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not_bool(v), "an integer"))
+    conv.register_structure_hook(
+        float, _strict(float, lambda v: isinstance(v, (int, float)) and not_bool(v), "a number")
+    )
+    conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str), "a string"))
+    conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool), "true or false"))
+    conv.register_structure_hook(Any, lambda v, _t: v)
+    return conv
+
+
+converter = make_converter()
+
+
+def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
+    """Walk cattrs' exception groups down to the first leaf: (key path, message)."""
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        for sub in exc.exceptions:
+            sub_path = list(path)
+            for note in getattr(sub, "__notes__", []):
+                if hasattr(note, "name"):
+                    sub_path.append(str(note.name))
+                elif hasattr(note, "index"):
+                    sub_path.append(f"[{note.index}]")
+            return _first_error(sub, sub_path)
+        return path, str(exc)
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        extra = sorted(exc.extra_fields)[0]
+        hint = did_you_mean(extra, known)
+        return path + [extra], f"unknown key{hint}; valid keys here: {', '.join(known)}"
+    if isinstance(exc, FieldError):
+        return path + [exc.name], exc.message
+    if isinstance(exc, KeyError):
+        return path + [str(exc.args[0])], "required key is missing"
+    return path, str(exc)
+
+
+def join_path(parts: list[str]) -> str:
+    out = ""
+    for part in parts:
+        if part.startswith("["):
+            out += part
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def structure(data: Any, cls: type, path: str = ""):
+    """Structure ``data`` into ``cls``; any problem becomes a SpecError naming the key path."""
+    prefix = [path] if path else []
+    if not isinstance(data, dict) and attrs.has(cls):
+        raise SpecError(path, f"expected a table, got {data!r}")
+    try:
+        return converter.structure(data, cls)
+    except SpecError:
+        raise
+    except Exception as exc:  # cattrs raises exception groups; reduce to one line
+        parts, message = _first_error(exc, prefix)
+        raise SpecError(join_path(parts), message) from None
+
+
+def unstructure(obj) -> Any:
+    return converter.unstructure(obj)
+
+
+# ---------------------------------------------------------------------------
+# Loading, overrides and sweeps
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise SpecError("", f"spec file not found: {path}")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError("", f"{path} is not valid TOML: {exc}") from None
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: TOML syntax (3, 0.1, true, "x", [1, 2]); a bare word is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict; list items are addressed as ``addons.0.params.x``."""
+    parts = dotted.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise SpecError(".".join(parts[: i + 1]), f"no list item {part}")
+            node = node[int(part)]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = {}
+        elif not isinstance(node[part], (dict, list)):
+            raise SpecError(".".join(parts[: i + 1]), "is a value, not a table")
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise SpecError(dotted, f"no list item {last}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError("--set", f"expected dotted.key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise SpecError("--set", f"empty key in {item!r}")
+        set_dotted(raw, key, parse_value(text.strip()))
+    return raw
+
+
+def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
+    """The raw spec for each point of the sweep's cartesian product, with its settings."""
+    sweep = raw.get("sweep") or {}
+    if not isinstance(sweep, dict):
+        raise SpecError("sweep", "expected a table of dotted.key = [values]")
+    for key, values in sweep.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"sweep.{key}", "expected a non-empty list of values")
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    keys = list(sweep)
+    points = []
+    for combo in itertools.product(*(sweep[k] for k in keys)):
+        point = copy.deepcopy(base)
+        settings = dict(zip(keys, combo))
+        for key, value in settings.items():
+            set_dotted(point, key, value)
+        points.append((settings, point))
+    return points
