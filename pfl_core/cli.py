@@ -1,0 +1,93 @@
+"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins`` lists plugins.
+
+Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .errors import PflError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Run the experiment a TOML spec describes.")
+    parser.add_argument("spec", help="path to the experiment's TOML spec")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field by its dotted key (TOML value syntax); repeatable")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the spec and the data partition, print the resolved spec, run nothing")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
+    args = _run_parser(prog).parse_args(argv)
+    try:
+        from .runner import run_spec_file
+
+        run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
+                      no_tracking=args.no_tracking, quiet=args.quiet)
+    except PflError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def plugins_main() -> int:
+    from . import registry
+
+    rows = []
+    for name, entry in sorted(registry.discovered().items()):
+        try:
+            cls = registry.plugin_class(name)
+        except PflError as exc:
+            rows.append((name, "broken", entry.distribution, entry.version, str(exc)))
+            continue
+        hooks = registry.implemented_hooks(cls)
+        provides = ", ".join(hooks) if hooks else {"dataset": "load", "model": "build",
+                                                   "partitioner": "split"}.get(cls.kind, "")
+        rows.append((name, cls.kind, entry.distribution, entry.version, provides))
+    order = {kind: i for i, kind in enumerate(registry.KINDS)}
+    rows.sort(key=lambda r: (order.get(r[1], 99), r[0]))
+    header = ("name", "kind", "package", "version", "hooks")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row[:4], widths)) + "  " + row[4])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
+    sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
+    if argv[:1] == ["run"]:
+        return run_main(argv[1:], prog="pfl run")
+    args = parser.parse_args(argv)
+    if args.command == "plugins":
+        return plugins_main()
+    return EXIT_USAGE
+
+
+def _entry(fn) -> None:
+    sys.exit(fn())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""What hooks see: the run context, the client view, engine-owned stores and the model bank."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import registry, seeding
+from .errors import SpecError
+from .spec import Spec
+from .training import make_optimizer, reset_optimizer, run_epochs
+
+
+def clone_state(module_or_state) -> dict[str, torch.Tensor]:
+    """A detached copy of a state dict (what a client or the server keeps between rounds)."""
+    state = module_or_state.state_dict() if isinstance(module_or_state, nn.Module) else module_or_state
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """Copy ``state`` into ``module`` in place (no reallocation; keys may be a subset)."""
+    with torch.no_grad():
+        own = module.state_dict()
+        for key, value in state.items():
+            own[key].copy_(value)
+    return module
+
+
+class ClientStore:
+    """Per-client state owned by the engine: one plain dict per client id.
+
+    Plugins keep personal models, supervisors, lambda histories, cluster ids here (as
+    tensors and plain values), never in attributes of their own, so the store can later be
+    checkpointed or hold only the active clients in memory.
+    """
+
+    def __init__(self, num_clients: int):
+        self._states: dict[int, dict[str, Any]] = {i: {} for i in range(num_clients)}
+
+    def __getitem__(self, client_id: int) -> dict[str, Any]:
+        return self._states[client_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+class ModelBank:
+    """Architectures per client, seeded initial weights, and one reusable module per arch.
+
+    Every client of an architecture starts from the same seeded initial weights. Training
+    reuses one *working* module per architecture: a method loads the weights it wants into
+    it (global or personal) instead of building a model per client.
+    """
+
+    def __init__(self, spec: Spec, input_shape: tuple, num_classes: int, device: torch.device):
+        self.spec = spec
+        self.input_shape = tuple(input_shape)
+        self.num_classes = num_classes
+        self.device = device
+        model = spec.model
+        n = spec.partition.num_clients
+        if model.clients is not None:
+            if len(model.clients) != n:
+                raise SpecError(
+                    "model.clients",
+                    f"lists {len(model.clients)} architectures for {n} clients (partition.num_clients)",
+                )
+            self.client_archs = list(model.clients)
+            path = "model.clients"
+        elif model.pool is not None:
+            self.client_archs = [model.pool[i % len(model.pool)] for i in range(n)]
+            path = "model.pool"
+        else:
+            self.client_archs = [model.name] * n
+            path = "model.name"
+        self._plugins: dict[str, Any] = {}
+        self._initial: dict[str, dict[str, torch.Tensor]] = {}
+        self._working: dict[str, nn.Module] = {}
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        for i, arch in enumerate(self.client_archs):
+            self.plugin(arch, f"{path}[{i}]" if path != "model.name" else path)
+
+    def plugin(self, arch: str, path: str = "model.name"):
+        if arch not in self._plugins:
+            spec = self.spec.model
+            if arch == spec.name:
+                params, params_path = spec.params, "model.params"
+            else:
+                params, params_path = spec.arch_params.get(arch, {}), f"model.arch_params.{arch}"
+            self._plugins[arch] = registry.instantiate(registry.MODEL, arch, params, path, params_path)
+        return self._plugins[arch]
+
+    def arch_of(self, client_id: int) -> str:
+        return self.client_archs[client_id]
+
+    def build(self, arch: str, path: str = "model.name") -> nn.Module:
+        """A new module of ``arch`` with the run's seeded initial weights."""
+        module = self._construct(arch, path)
+        return load_state(module, self.initial_state(arch))
+
+    def _construct(self, arch: str, path: str = "model.name") -> nn.Module:
+        return self.plugin(arch, path).build(self.input_shape, self.num_classes).to(self.device)
+
+    def initial_state(self, arch: str) -> dict[str, torch.Tensor]:
+        if arch not in self._initial:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seeding.derive_seed(self.spec.experiment.seed, f"init:{arch}"))
+                self._initial[arch] = clone_state(self._construct(arch))
+        return self._initial[arch]
+
+    def working(self, arch: str) -> nn.Module:
+        if arch not in self._working:
+            self._working[arch] = self.build(arch)
+        return self._working[arch]
+
+    def working_optimizer(self, arch: str, training) -> torch.optim.Optimizer:
+        if arch not in self._optimizers:
+            self._optimizers[arch] = make_optimizer(self.working(arch).parameters(), training)
+        return reset_optimizer(self._optimizers[arch])
+
+
+class Client:
+    """One client as the hooks see it during a round (or an evaluation)."""
+
+    def __init__(self, ctx: "RunContext", client_id: int):
+        self.ctx = ctx
+        self.id = client_id
+        self.round = ctx.round
+        self.data = ctx.data.clients[client_id]
+        self.arch = ctx.models.arch_of(client_id)
+        self.state = ctx.store[client_id]  # persists across rounds
+        self.scratch: dict[str, Any] = {}  # this round only
+
+    @property
+    def model(self) -> nn.Module:
+        """The reusable working module of this client's architecture."""
+        return self.ctx.models.working(self.arch)
+
+    @property
+    def num_train(self) -> int:
+        return self.data.num_train
+
+    def generator(self, purpose: str = "train") -> torch.Generator:
+        return seeding.torch_generator(self.ctx.spec.experiment.seed, purpose, self.round, self.id)
+
+    def rng(self, purpose: str) -> np.random.Generator:
+        return seeding.numpy_rng(self.ctx.spec.experiment.seed, purpose, self.round, self.id)
+
+    def optimizer(self, params=None, lr: float | None = None) -> torch.optim.Optimizer:
+        """The configured optimiser: the working model's (reset) by default, else a new one."""
+        if params is None and lr is None:
+            return self.ctx.models.working_optimizer(self.arch, self.ctx.spec.training)
+        params = self.model.parameters() if params is None else params
+        return make_optimizer(params, self.ctx.spec.training, lr=lr)
+
+    def objective(self, model: nn.Module, x, y, logits) -> torch.Tensor:
+        """The sum of every plugin's ``local_objective`` term for one batch."""
+        terms = self.ctx.hooks.local_objective(ctx=self.ctx, client=self, model=model, x=x, y=y, logits=logits)
+        return sum(terms)
+
+    def train(self, model: nn.Module | None = None, *, epochs: int | None = None, optimizer=None,
+              x=None, y=None, loss_fn=None) -> dict[str, float]:
+        """Run the configured epochs of mini-batch training (default: on the train split)."""
+        training = self.ctx.spec.training
+        model = self.model if model is None else model
+        return run_epochs(
+            model,
+            optimizer if optimizer is not None else self.optimizer(),
+            self.data.train_x if x is None else x,
+            self.data.train_y if y is None else y,
+            epochs=training.local_epochs if epochs is None else epochs,
+            batch_size=training.batch_size,
+            loss_fn=self.objective if loss_fn is None else loss_fn,
+            generator=self.generator("train"),
+            shuffle=training.shuffle,
+        )
+
+
+class RunContext:
+    """Everything a hook may use: the spec, the data, the stores, the hooks themselves."""
+
+    def __init__(self, spec: Spec, params, data, models: ModelBank, hooks, executor, device):
+        self.spec = spec
+        self.params = params  # the algorithm's parsed Params
+        self.data = data
+        self.models = models
+        self.hooks = hooks
+        self.executor = executor
+        self.device = device
+        self.server: dict[str, Any] = {}  # engine-owned server state
+        self.store = ClientStore(len(data.clients))
+        self.round = 0
+        self.round_metrics: dict[str, float] = {}
+        self.participants: list[int] = []
+        # Clients that take part in federated training (all of them unless a plugin holds
+        # some out, e.g. cold-start clients that only personalise at the end).
+        self.training_clients: list[int] = list(range(len(data.clients)))
+        self.comm_up = 0  # cumulative bytes, counted by the engine
+        self.comm_down = 0
+        self.tracker = None  # set by the engine; plugins log artifacts through it
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.data.clients)
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes
+
+    def client(self, client_id: int) -> Client:
+        return Client(self, client_id)
+
+    def rng(self, purpose: str) -> np.random.Generator:
+        """A server-side numpy RNG for this round and purpose."""
+        return seeding.numpy_rng(self.spec.experiment.seed, purpose, self.round)
+
+    def generator(self, purpose: str) -> torch.Generator:
+        return seeding.torch_generator(self.spec.experiment.seed, purpose, self.round)
+
+    def seed_for(self, purpose: str, client_id: int = seeding.SERVER) -> int:
+        return seeding.derive_seed(self.spec.experiment.seed, purpose, self.round, client_id)
+
+    def log(self, **metrics: float) -> None:
+        """Extra metrics for this round (logged with the round's evaluation metrics)."""
+        self.round_metrics.update(metrics)

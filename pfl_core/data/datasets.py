@@ -1,0 +1,331 @@
+"""Dataset plugins: FedProx's synthetic data, generic npz files and torchvision's datasets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from attrs import define, field
+
+from ..errors import DataError
+from ..spec import at_least, finite, one_of
+from .base import DatasetPlugin, RawDataset
+
+__all__ = ["Synthetic", "Npz", "MNIST", "FashionMNIST", "CIFAR10", "CIFAR100", "EMNIST"]
+
+
+# ---------------------------------------------------------------------------
+# Synthetic(alpha, beta)
+
+
+@define
+class SyntheticParams:
+    alpha: float = field(default=1.0, validator=[finite, at_least(0)])
+    beta: float = field(default=1.0, validator=[finite, at_least(0)])
+    num_devices: int = field(default=20, validator=at_least(1))
+    samples_per_device: int = field(default=300, validator=at_least(1))
+    dim: int = field(default=60, validator=at_least(1))
+    num_classes: int = field(default=10, validator=at_least(2))
+    seed: int = field(default=0, validator=at_least(0))
+
+
+class Synthetic(DatasetPlugin):
+    """FedProx's Synthetic(alpha, beta) (Li et al. 2020, Sec. 5.1).
+
+    For each device k: u_k ~ N(0, alpha), W_k ~ N(u_k, 1) of shape dim x classes,
+    b_k ~ N(u_k, 1); B_k ~ N(0, beta), v_k ~ N(B_k, 1) per dimension; x ~ N(v_k, Sigma) with
+    Sigma diagonal, Sigma_jj = j^-1.2; y = argmax softmax(W_k^T x + b_k). alpha controls how
+    much the devices' models differ, beta how much their inputs differ. As in FedProx's
+    generator code, alpha and beta are used as standard deviations.
+
+    Differences from FedProx: every device has the same ``samples_per_device`` samples
+    (FedProx drew sizes from a power law) so that every client has enough data to split
+    into train/val/test. ``seed`` is the generator's own seed, so the data stay fixed while
+    ``experiment.seed`` varies the partition and training.
+
+    Features are float32 (N, dim) and are not standardised by the core (they are already
+    well scaled). ``domain_train`` is the device index (``domain_names`` "device0", ...), so
+    ``partition.scheme = "domain"`` with ``num_clients = num_devices`` gives FedProx's
+    one-device-per-client partition. There is no official test split (``x_test`` is None):
+    every client's test data come from its own samples.
+    """
+
+    name = "synthetic"
+    Params = SyntheticParams
+
+    def load(self) -> RawDataset:
+        p = self.params
+        rng = np.random.default_rng(p.seed)
+        n, dim, c = p.samples_per_device, p.dim, p.num_classes
+        u = rng.normal(0.0, p.alpha, p.num_devices)
+        big_b = rng.normal(0.0, p.beta, p.num_devices)
+        v = rng.normal(big_b[:, None], 1.0, (p.num_devices, dim))
+        scale = np.arange(1, dim + 1, dtype=np.float64) ** (-1.2 / 2)  # sqrt(Sigma_jj)
+        xs, ys = [], []
+        for k in range(p.num_devices):
+            w = rng.normal(u[k], 1.0, (dim, c))
+            b = rng.normal(u[k], 1.0, c)
+            x = v[k] + scale * rng.standard_normal((n, dim))
+            xs.append(x.astype(np.float32))
+            ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))
+        return RawDataset(
+            x_train=np.concatenate(xs),
+            y_train=np.concatenate(ys),
+            x_test=None,
+            y_test=None,
+            num_classes=c,
+            domain_train=np.repeat(np.arange(p.num_devices, dtype=np.int64), n),
+            domain_test=None,
+            class_names=[str(i) for i in range(c)],
+            domain_names=[f"device{k}" for k in range(p.num_devices)],
+        )
+
+
+# ---------------------------------------------------------------------------
+# npz files
+
+
+@define
+class NpzParams:
+    path: str
+    domain_key: str = "domain"
+
+
+class Npz(DatasetPlugin):
+    """A dataset in one ``.npz`` file (read with ``numpy.load``, no pickle).
+
+    Keys: ``x_train``, ``y_train`` (required), ``x_test``, ``y_test`` (optional, both or
+    neither); images as uint8 (N, H, W) or (N, H, W, C), or float features (N, D); labels
+    integer class indices. Optional: ``classes`` (class names; their number is the number of
+    classes, else max label + 1), ``<domain_key>_train`` / ``<domain_key>_test`` (int domain
+    index per sample) and ``<domain_key>s`` (domain names; e.g. ``domains``).
+    ``path`` may start with ``~``; a relative path is relative to the working directory.
+    """
+
+    name = "npz"
+    Params = NpzParams
+
+    def load(self) -> RawDataset:
+        path = Path(os.path.expanduser(self.params.path))
+        if not path.is_file():
+            raise DataError(f"npz file not found: {path} (data.params.path)")
+        key = self.params.domain_key
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {name: f[name] for name in f.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"cannot read npz file {path}: {first} (data.params.path)") from None
+        for required in ("x_train", "y_train"):
+            if required not in arrays:
+                raise DataError(
+                    f"npz file {path} has no '{required}' array (keys: {', '.join(sorted(arrays))})"
+                )
+        classes = arrays.get("classes")
+        y_all = [arrays["y_train"]] + ([arrays["y_test"]] if "y_test" in arrays else [])
+        if classes is not None:
+            num_classes = len(classes)
+        else:
+            num_classes = int(max(int(y.max()) for y in y_all if len(y)) + 1)
+        domain_names = arrays.get(f"{key}s")
+        raw = RawDataset(
+            x_train=arrays["x_train"],
+            y_train=arrays["y_train"],
+            x_test=arrays.get("x_test"),
+            y_test=arrays.get("y_test"),
+            num_classes=num_classes,
+            domain_train=arrays.get(f"{key}_train"),
+            domain_test=arrays.get(f"{key}_test"),
+            class_names=[str(c) for c in classes] if classes is not None else None,
+            domain_names=[str(d) for d in domain_names] if domain_names is not None else None,
+        )
+        return raw.validate(f"npz file {path}")
+
+
+# ---------------------------------------------------------------------------
+# torchvision datasets
+
+# Seconds a download may wait on a silent socket (module level so tests can lower it).
+DOWNLOAD_TIMEOUT = 15.0
+
+
+@define
+class TorchvisionParams:
+    root: str = "~/.cache/pfl/data"
+    download: bool = True
+
+
+def _short(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+class _Torchvision(DatasetPlugin):
+    """Shared loading logic; subclasses name the torchvision class and its folder."""
+
+    Params = TorchvisionParams
+    tv_name = ""  # torchvision.datasets attribute
+    display = ""  # name in messages
+    folder = ""  # the folder torchvision keeps the files in, relative to root
+
+    def _open(self, root: str, train: bool, download: bool):
+        import torchvision.datasets as tvd
+
+        return getattr(tvd, self.tv_name)(root, train=train, download=download)
+
+    def _load_both(self, root: str):
+        return self._open(root, True, False), self._open(root, False, False)
+
+    def load(self) -> RawDataset:
+        root = os.path.expanduser(self.params.root)
+        try:
+            train, test = self._load_both(root)
+        except Exception as first:  # torchvision raises RuntimeError (missing or bad md5)
+            reason = _short(first)
+            if not self.params.download:
+                reason = "data.params.download is false"
+                if os.path.isdir(os.path.join(root, self.folder)):
+                    reason = f"files under {self.folder}/ are incomplete or fail torchvision's check; " + reason
+            else:
+                reason = self._try_download(root)
+            if reason is not None:
+                raise DataError(
+                    f"{self.display} not found under {root} and could not be downloaded "
+                    f"({reason}); put torchvision's {self.display} files there "
+                    f"(e.g. {os.path.join(root, self.folder)}{os.sep}) or set data.params.root"
+                ) from None
+            try:
+                train, test = self._load_both(root)
+            except Exception as exc:
+                raise DataError(
+                    f"{self.display} was downloaded to {root} but cannot be read ({_short(exc)}); "
+                    f"delete {os.path.join(root, self.folder)} and try again"
+                ) from None
+        return self._to_raw(train, test)
+
+    def _try_download(self, root: str):
+        """None on success, else a short reason."""
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(DOWNLOAD_TIMEOUT)
+        try:
+            self._open(root, True, True)
+            self._open(root, False, True)
+        except Exception as exc:  # network errors, bad archives, md5 mismatches...
+            return f"download failed: {_short(exc)}"
+        finally:
+            socket.setdefaulttimeout(previous)
+        return None
+
+    @staticmethod
+    def _array(values, dtype) -> np.ndarray:
+        if hasattr(values, "numpy"):
+            values = values.numpy()
+        return np.ascontiguousarray(np.asarray(values), dtype=dtype)
+
+    def _to_raw(self, train, test) -> RawDataset:
+        classes = [str(c) for c in train.classes]
+        raw = RawDataset(
+            x_train=self._array(train.data, np.uint8),
+            y_train=self._array(train.targets, np.int64),
+            x_test=self._array(test.data, np.uint8),
+            y_test=self._array(test.targets, np.int64),
+            num_classes=len(classes),
+            class_names=classes,
+        )
+        return raw.validate(self.display)
+
+
+class MNIST(_Torchvision):
+    """MNIST through ``torchvision.datasets.MNIST``: 28x28 grey digits, 60000/10000.
+
+    Files are looked for under ``root`` (torchvision's layout, ``<root>/MNIST/raw/``) and
+    downloaded there if missing and ``download`` is true.
+    """
+
+    name = "mnist"
+    tv_name = "MNIST"
+    display = "MNIST"
+    folder = "MNIST/raw"
+
+
+class FashionMNIST(_Torchvision):
+    """Fashion-MNIST through ``torchvision.datasets.FashionMNIST`` (``<root>/FashionMNIST/raw/``)."""
+
+    name = "fashion_mnist"
+    tv_name = "FashionMNIST"
+    display = "FashionMNIST"
+    folder = "FashionMNIST/raw"
+
+
+class CIFAR10(_Torchvision):
+    """CIFAR-10 through ``torchvision.datasets.CIFAR10`` (``<root>/cifar-10-batches-py/``).
+
+    torchvision verifies every batch file's md5 when loading, so only the official files load.
+    """
+
+    name = "cifar10"
+    tv_name = "CIFAR10"
+    display = "CIFAR-10"
+    folder = "cifar-10-batches-py"
+
+
+class CIFAR100(_Torchvision):
+    """CIFAR-100 (fine labels) through ``torchvision.datasets.CIFAR100``
+    (``<root>/cifar-100-python/``); files are md5-verified by torchvision."""
+
+    name = "cifar100"
+    tv_name = "CIFAR100"
+    display = "CIFAR-100"
+    folder = "cifar-100-python"
+
+
+EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
+
+
+@define
+class EMNISTParams:
+    root: str = "~/.cache/pfl/data"
+    download: bool = True
+    split: str = field(default="balanced", validator=one_of(*EMNIST_SPLITS))
+
+
+class EMNIST(_Torchvision):
+    """EMNIST through ``torchvision.datasets.EMNIST`` (``<root>/EMNIST/raw/``), one ``split``.
+
+    torchvision keeps EMNIST's images transposed; they are transposed back so characters are
+    upright like MNIST's. The "letters" split's labels run 1..26 with an unused class 0
+    ("N/A") in torchvision; here they are shifted to 0..25 (classes "a".."z") so that no class
+    is empty.
+    """
+
+    name = "emnist"
+    Params = EMNISTParams
+    tv_name = "EMNIST"
+    display = "EMNIST"
+    folder = "EMNIST/raw"
+
+    def _open(self, root: str, train: bool, download: bool):
+        import torchvision.datasets as tvd
+
+        return tvd.EMNIST(root, split=self.params.split, train=train, download=download)
+
+    def _to_raw(self, train, test) -> RawDataset:
+        classes = [str(c) for c in train.classes]
+        y_train = self._array(train.targets, np.int64)
+        y_test = self._array(test.targets, np.int64)
+        if self.params.split == "letters":
+            classes = classes[1:]
+            y_train, y_test = y_train - 1, y_test - 1
+        raw = RawDataset(
+            x_train=np.ascontiguousarray(self._array(train.data, np.uint8).transpose(0, 2, 1)),
+            y_train=y_train,
+            x_test=np.ascontiguousarray(self._array(test.data, np.uint8).transpose(0, 2, 1)),
+            y_test=y_test,
+            num_classes=len(classes),
+            class_names=classes,
+        )
+        return raw.validate(f"EMNIST ({self.params.split})")

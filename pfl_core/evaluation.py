@@ -1,0 +1,81 @@
+"""Evaluation: every client's personalized model on its own test split, batched."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@attrs.frozen
+class Score:
+    correct: int
+    loss_sum: float
+    count: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else float("nan")
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else float("nan")
+
+
+@torch.no_grad()
+def score(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> Score:
+    """Accuracy and summed cross-entropy of ``model`` on (x, y), in eval mode."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == yb).sum())
+    model.train(was_training)
+    return Score(correct, loss_sum, len(y))
+
+
+def summarize(accuracies: list[float], losses: list[float], prefix: str = "") -> dict[str, float]:
+    """The metrics logged per evaluation round (docs/metrics.md)."""
+    acc = np.asarray(accuracies, dtype=float)
+    return {
+        f"{prefix}acc_mean": float(acc.mean()),
+        f"{prefix}acc_std": float(acc.std()),
+        f"{prefix}acc_p10": float(np.percentile(acc, 10)),
+        f"{prefix}loss_mean": float(np.mean(losses)),
+    }
+
+
+def evaluate_clients(ctx, split: str = "test", client_ids=None) -> tuple[dict[str, float], list[dict]]:
+    """Evaluate each client's personalized model(s) on its own ``split``.
+
+    Returns the summary metrics (per model prefix) and one row per client.
+    """
+    batch_size = ctx.spec.evaluation.batch_size
+    client_ids = range(ctx.num_clients) if client_ids is None else client_ids
+    per_prefix: dict[str, tuple[list[float], list[float]]] = {}
+    rows = []
+    for cid in client_ids:
+        client = ctx.client(cid)
+        models = ctx.hooks.personalized_models(ctx=ctx, client=client)
+        if not models:
+            raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
+        x = getattr(client.data, f"{split}_x")
+        y = getattr(client.data, f"{split}_y")
+        row = {"client": cid, "arch": client.arch, "num_train": client.num_train, f"num_{split}": len(y)}
+        for prefix, model in models.items():
+            s = score(model, x, y, batch_size)
+            accs, losses = per_prefix.setdefault(prefix, ([], []))
+            accs.append(s.accuracy)
+            losses.append(s.loss)
+            row[f"{prefix}acc"] = s.accuracy
+            row[f"{prefix}loss"] = s.loss
+        rows.append(row)
+    metrics: dict[str, float] = {}
+    for prefix, (accs, losses) in per_prefix.items():
+        metrics.update(summarize(accs, losses, prefix))
+    return metrics, rows

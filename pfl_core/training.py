@@ -1,0 +1,61 @@
+"""The plain local training loop every method reuses, and optimiser construction."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .spec import TrainingSection
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], training: TrainingSection, lr: float | None = None):
+    lr = training.lr if lr is None else lr
+    if training.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=training.momentum, weight_decay=training.weight_decay)
+
+
+def reset_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Forget momentum/Adam moments so a reused optimiser starts fresh for the next client."""
+    optimizer.state.clear()
+    return optimizer
+
+
+def batch_order(n: int, generator: torch.Generator | None, shuffle: bool) -> torch.Tensor:
+    return torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+
+
+def run_epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    loss_fn: LossFn,
+    generator: torch.Generator | None = None,
+    shuffle: bool = True,
+) -> dict[str, float]:
+    """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data."""
+    model.train()
+    n = len(y)
+    total = torch.zeros(())
+    steps = 0
+    for _ in range(epochs):
+        order = batch_order(n, generator, shuffle)
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            xb, yb = x[idx], y[idx]
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(xb)
+            loss = loss_fn(model, xb, yb, logits)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach().cpu()
+            steps += 1
+    return {"train_loss": float(total) / steps} if steps else {}

@@ -1,0 +1,34 @@
+"""Local: every client trains its own model on its own data and never communicates.
+
+The reference for personalization: a method is only worth its communication if it beats
+this. Each client's model starts from the run's seeded initial weights.
+"""
+
+from __future__ import annotations
+
+from pfl_core import Plugin, hookimpl
+from pfl_core.context import clone_state, load_state
+
+
+def load_personal(ctx, client):
+    """The client's own weights in its working model (initial weights before any training)."""
+    return load_state(client.model, client.state.get("weights") or ctx.models.initial_state(client.arch))
+
+
+class Local(Plugin):
+    name = "local"
+
+    @hookimpl
+    def on_receive(self, ctx, client, message):
+        load_personal(ctx, client)
+        return True
+
+    @hookimpl
+    def local_train(self, ctx, client):
+        metrics = client.train()
+        client.state["weights"] = clone_state(client.model)
+        return metrics
+
+    @hookimpl
+    def personalized_models(self, ctx, client):
+        return {"": load_personal(ctx, client)}
