@@ -93,7 +93,9 @@ class ModelBank:
                 params, params_path = spec.params, "model.params"
             else:
                 params, params_path = spec.arch_params.get(arch, {}), f"model.arch_params.{arch}"
-            self._plugins[arch] = registry.instantiate(registry.MODEL, arch, params, path, params_path)
+            plugin = registry.instantiate(registry.MODEL, arch, params, path, params_path)
+            plugin.name_path = path  # shape errors at build time name the right key
+            self._plugins[arch] = plugin
         return self._plugins[arch]
 
     def arch_of(self, client_id: int) -> str:

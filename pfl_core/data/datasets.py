@@ -129,7 +129,8 @@ class Npz(DatasetPlugin):
         if classes is not None:
             num_classes = len(classes)
         else:
-            num_classes = int(max(int(y.max()) for y in y_all if len(y)) + 1)
+            maxes = [int(y.max()) for y in y_all if y.size]
+            num_classes = max(maxes) + 1 if maxes else 1
         domain_names = arrays.get(f"{key}s")
         raw = RawDataset(
             x_train=arrays["x_train"],

@@ -1,0 +1,32 @@
+"""The data layer: dataset plugins, partition plugins and the per-client data they make.
+
+``build_federated_data(spec)`` is the entry point used by the core; the plugin base classes
+``DatasetPlugin`` and ``PartitionerPlugin`` are what third-party datasets and schemes subclass.
+"""
+
+from .base import DatasetPlugin, PartitionerPlugin, RawDataset
+from .federated import (
+    ClientData,
+    FederatedData,
+    PublicData,
+    apportion,
+    build_federated_data,
+    derive_rng,
+    stratified_split,
+)
+from .partitioners import pathological_split, split_by_proportions
+
+__all__ = [
+    "ClientData",
+    "DatasetPlugin",
+    "FederatedData",
+    "PartitionerPlugin",
+    "PublicData",
+    "RawDataset",
+    "apportion",
+    "build_federated_data",
+    "derive_rng",
+    "pathological_split",
+    "split_by_proportions",
+    "stratified_split",
+]

@@ -1,0 +1,470 @@
+"""From a spec to per-client tensors: load, carve the public set, partition, split, convert.
+
+The *pool* is the dataset's training split, followed by its official test split when
+``data.include_test`` is true; every index in this module is a position in the pool. Each
+pool sample belongs to at most one client or to the public set U.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Optional, Union
+
+import attrs
+import numpy as np
+import torch
+
+from ..errors import PflError, SpecError
+from ..registry import DATASET, PARTITIONER, instantiate
+from .base import DatasetPlugin, PartitionerPlugin, RawDataset
+
+__all__ = [
+    "ClientData",
+    "PublicData",
+    "FederatedData",
+    "build_federated_data",
+    "derive_rng",
+    "apportion",
+    "stratified_split",
+]
+
+SPLITS = ("train", "val", "test")
+
+
+# ---------------------------------------------------------------------------
+# Containers
+
+
+@attrs.define(eq=False)
+class ClientData:
+    """One client's data. x are float32 tensors, y int64; ``indices`` maps each split name
+    ("train", "val", "test") to the pool positions of its samples (same order as the
+    tensors). ``domain`` is the domain all the client's samples share, else None."""
+
+    id: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    indices: dict[str, np.ndarray]
+    domain: Optional[int] = None
+
+    @property
+    def num_train(self) -> int:
+        return int(self.train_y.shape[0])
+
+    def label_counts(self, split: str = "train", num_classes: Optional[int] = None) -> np.ndarray:
+        """Samples per class in ``split``; length ``num_classes`` (else max label + 1)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        y = getattr(self, f"{split}_y").detach().cpu().numpy()
+        return np.bincount(y, minlength=num_classes or 0).astype(np.int64)
+
+
+@attrs.define(eq=False)
+class PublicData:
+    """The public set U: inputs ``x`` and their pool ``indices``.
+
+    ``y`` holds the labels only when ``public.labelled`` is true, else None; plugins must
+    only ever read ``y``. ``true_y`` always holds the labels, for analysis and reporting
+    (e.g. the accuracy of a consensus labelling), never for training.
+    """
+
+    x: torch.Tensor
+    y: Optional[torch.Tensor]
+    indices: np.ndarray
+    true_y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+@attrs.define(eq=False)
+class FederatedData:
+    """Everything a run needs about its data.
+
+    ``input_shape`` is one sample's tensor shape, e.g. (1, 28, 28) or (60,). ``mean``/``std``
+    are the per-channel statistics images were standardised with (None for features).
+    ``partitioner`` is the partition plugin after its split (e.g. ``GroupDirichlet`` keeps
+    ``true_groups``); ``dataset`` the dataset plugin.
+    """
+
+    clients: list[ClientData]
+    public: Optional[PublicData]
+    num_classes: int
+    input_shape: tuple
+    class_names: list[str]
+    domain_names: Optional[list[str]]
+    pool_size: int
+    train_size: int = 0
+    includes_test: bool = False
+    mean: Optional[tuple] = None
+    std: Optional[tuple] = None
+    partitioner: Optional[PartitionerPlugin] = None
+    dataset: Optional[DatasetPlugin] = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def partition_table(self) -> np.ndarray:
+        """Clients x classes sample counts over each client's train + val + test."""
+        table = np.zeros((len(self.clients), self.num_classes), dtype=np.int64)
+        for i, client in enumerate(self.clients):
+            for split in SPLITS:
+                table[i] += client.label_counts(split, self.num_classes)
+        return table
+
+    def indices_artifact(self) -> dict[str, Any]:
+        """The partition as JSON-serialisable data (pool positions per client and of U)."""
+        return {
+            "note": (
+                "Indices are positions in the pool: the dataset's train split (positions "
+                f"0..{self.train_size - 1})"
+                + (
+                    f", followed by its test split (positions {self.train_size}.."
+                    f"{self.pool_size - 1}), since data.include_test is true"
+                    if self.includes_test
+                    else "; the test split is not pooled (data.include_test is false)"
+                )
+            ),
+            "pool_size": int(self.pool_size),
+            "clients": [
+                {
+                    "id": int(c.id),
+                    **{s: [int(i) for i in c.indices[s]] for s in SPLITS},
+                    "domain": None if c.domain is None else int(c.domain),
+                }
+                for c in self.clients
+            ],
+            "public": None if self.public is None else [int(i) for i in self.public.indices],
+        }
+
+    def pooled_train(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All clients' training tensors concatenated in client order (x, y)."""
+        return (
+            torch.cat([c.train_x for c in self.clients]),
+            torch.cat([c.train_y for c in self.clients]),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def _stable_int(key: Union[int, str]) -> int:
+    if isinstance(key, str):
+        return zlib.crc32(key.encode("utf-8"))
+    return int(key) % (1 << 64)
+
+
+def derive_rng(seed: int, *keys: Union[int, str]) -> np.random.Generator:
+    """A generator for one purpose: SeedSequence([seed, crc32(key) or int key, ...]).
+
+    Stable across processes and Python versions (never uses ``hash()``).
+    """
+    return np.random.default_rng(np.random.SeedSequence([_stable_int(seed), *map(_stable_int, keys)]))
+
+
+def apportion(total: int, weights, caps, rng: np.random.Generator) -> np.ndarray:
+    """Integer counts summing to ``min(total, sum(caps))``, proportional to ``weights``
+    (largest remainder, ties broken by ``rng``), never above ``caps``; what a capped entry
+    cannot take goes to the others in proportion to their weights (uniformly if they all
+    have weight 0)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    caps = np.asarray(caps, dtype=np.int64)
+    counts = np.zeros(len(caps), dtype=np.int64)
+    remaining = int(min(total, caps.sum()))
+    while remaining > 0:
+        room = caps - counts
+        active = room > 0
+        w = np.where(active, weights, 0.0)
+        if w.sum() <= 0:
+            w = active.astype(np.float64)
+        quota = remaining * w / w.sum()
+        base = np.minimum(np.floor(quota).astype(np.int64), room)
+        left = remaining - int(base.sum())
+        if left > 0:
+            frac = np.where(room - base > 0, quota - np.floor(quota), -1.0)
+            order = np.lexsort((rng.random(len(frac)), -frac))
+            order = order[frac[order] >= 0][:left]
+            base[order] += 1
+        counts += base
+        remaining -= int(base.sum())
+    return counts
+
+
+def stratified_split(
+    labels: np.ndarray, val_fraction: float, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split positions 0..len(labels)-1 into (train, val, test), stratified by class.
+
+    The test split gets ``max(1, round(n * test_fraction))`` samples and the validation split
+    ``round(n * val_fraction)`` (at least 1 when the fraction is > 0), both apportioned over
+    the classes in proportion to their counts, so test labels follow the training
+    distribution. Every class keeps at least one training sample (a class with one sample
+    goes to train), which can make val/test smaller than asked for tiny clients; test is
+    empty only if no class has two samples.
+    """
+    labels = np.asarray(labels)
+    n = len(labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    n_test = max(1, int(round(n * test_fraction)))
+    test_counts = apportion(n_test, counts, counts - 1, rng)
+    n_val = max(1, int(round(n * val_fraction))) if val_fraction > 0 else 0
+    val_counts = apportion(n_val, counts, counts - 1 - test_counts, rng)
+    train, val, test = [], [], []
+    for cls, t, v in zip(classes, test_counts, val_counts):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        test.append(idx[:t])
+        val.append(idx[t : t + v])
+        train.append(idx[t + v :])
+    cat = lambda parts: np.sort(np.concatenate(parts)).astype(np.int64)  # noqa: E731
+    return cat(train), cat(val), cat(test)
+
+
+class _Pool:
+    """The pool's arrays without concatenating train and test (which can be large)."""
+
+    def __init__(self, raw: RawDataset, include_test: bool):
+        self.raw = raw
+        self.with_test = include_test and raw.x_test is not None
+        self.n_train = len(raw.y_train)
+        self.size = self.n_train + (len(raw.y_test) if self.with_test else 0)
+        self.labels = raw.y_train if not self.with_test else np.concatenate([raw.y_train, raw.y_test])
+        self.domains = None
+        if raw.domain_train is not None:
+            self.domains = (
+                raw.domain_train
+                if not self.with_test
+                else np.concatenate([raw.domain_train, raw.domain_test])
+            )
+
+    def take_x(self, positions: np.ndarray) -> np.ndarray:
+        x_train = self.raw.x_train
+        if not self.with_test:
+            return x_train[positions]
+        out = np.empty((len(positions),) + x_train.shape[1:], dtype=x_train.dtype)
+        in_train = positions < self.n_train
+        out[in_train] = x_train[positions[in_train]]
+        out[~in_train] = self.raw.x_test[positions[~in_train] - self.n_train]
+        return out
+
+    def arrays(self):
+        yield self.raw.x_train
+        if self.with_test:
+            yield self.raw.x_test
+
+
+def _is_image(x: np.ndarray) -> bool:
+    return x.dtype == np.uint8
+
+
+def _channel_stats(pool: _Pool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of the pool's images scaled to [0, 1], in chunks."""
+    x0 = pool.raw.x_train
+    channels = 1 if x0.ndim == 3 else x0.shape[-1]
+    total = np.zeros(channels)
+    squares = np.zeros(channels)
+    count = 0
+    for x in pool.arrays():
+        for start in range(0, len(x), 4096):
+            chunk = x[start : start + 4096].reshape(-1, channels).astype(np.float64) / 255.0
+            total += chunk.sum(axis=0)
+            squares += np.square(chunk).sum(axis=0)
+            count += chunk.shape[0]
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
+    std[std < 1e-6] = 1.0  # a constant channel is left centred, not blown up
+    return mean, std
+
+
+def _to_tensor(x: np.ndarray, mean, std, device) -> torch.Tensor:
+    if _is_image(x):
+        t = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32).div_(255.0)
+        t = t.unsqueeze(1) if t.dim() == 3 else t.permute(0, 3, 1, 2)
+        m = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        s = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        t = ((t - m) / s).contiguous()
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return t.to(device)
+
+
+def _labels_tensor(y: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)).to(device)
+
+
+def _resolve_device(device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def _carve_public(spec_public, labels: np.ndarray, num_classes: int, seed: int) -> np.ndarray:
+    """Pool positions of U (sorted). See :func:`build_federated_data`."""
+    n = len(labels)
+    if spec_public.size is not None:
+        size, key = spec_public.size, "public.size"
+    else:
+        size, key = int(round(spec_public.fraction * n)), "public.fraction"
+    if size < 1:
+        raise SpecError(key, f"gives an empty public set for a pool of {n} samples: raise it")
+    if size >= n:
+        raise SpecError(
+            key,
+            f"{size} public samples is not smaller than the training pool of {n} samples: "
+            "lower it (the clients need the rest)",
+        )
+    rng = derive_rng(seed, "public")
+    by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+    avail = np.array([len(i) for i in by_class])
+    if spec_public.sampling == "balanced":
+        weights = np.ones(num_classes)
+    else:  # "dirichlet"
+        weights = rng.dirichlet(np.full(num_classes, spec_public.alpha))
+    counts = apportion(size, weights, avail, rng)
+    chosen = [rng.choice(idx, size=k, replace=False) for idx, k in zip(by_class, counts) if k]
+    return np.sort(np.concatenate(chosen)).astype(np.int64)
+
+
+def _check_partition(parts, num_clients: int, n: int, name: str) -> list[np.ndarray]:
+    if not isinstance(parts, (list, tuple)) or len(parts) != num_clients:
+        got = len(parts) if isinstance(parts, (list, tuple)) else type(parts).__name__
+        raise PflError(f"partitioner '{name}' returned {got} clients, expected {num_clients}")
+    out = []
+    for part in parts:
+        part = np.asarray(part)
+        if part.size and not np.issubdtype(part.dtype, np.integer):
+            raise PflError(f"partitioner '{name}' returned non-integer positions ({part.dtype})")
+        out.append(part.astype(np.int64).ravel())
+    allpos = np.concatenate(out) if out else np.zeros(0, np.int64)
+    if allpos.size and (allpos.min() < 0 or allpos.max() >= n):
+        raise PflError(f"partitioner '{name}' returned positions outside [0, {n})")
+    if len(np.unique(allpos)) != len(allpos):
+        raise PflError(f"partitioner '{name}' gave some sample to two clients (or twice)")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The builder
+
+
+def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> FederatedData:
+    """Load ``spec.data``, carve ``spec.public``, partition by ``spec.partition``, convert.
+
+    Steps, all deterministic from ``spec.experiment.seed``:
+
+    1. Load the dataset plugin; the pool is its train split (+ its test split if
+       ``data.include_test`` and it has one).
+    2. If ``spec.public`` is set, carve U first: ``public.size`` samples, or
+       ``round(public.fraction * pool size)``. "balanced" takes equal counts per class (as
+       equal as possible; a class with too few samples gives all it has and the shortfall is
+       taken from the other classes, evenly); "dirichlet" draws class proportions
+       ~ Dir(public.alpha) and samples without replacement (shortfalls likewise go to the
+       other classes in proportion). U is disjoint from every client.
+    3. Partition the rest with the partition plugin (generator derived from (seed,
+       "partition")); every client must hold at least ``partition.min_samples`` samples.
+    4. Split each client's samples into train/val/test by :func:`stratified_split` with a
+       generator derived from (seed, "split", client id).
+    5. Images (uint8) become float32 in [0, 1], NCHW, standardised per channel with the whole
+       pool's mean/std; float features are left as they are. Only the selected samples are
+       converted (no float copy of the whole pool is made).
+    """
+    seed = spec.experiment.seed
+    device = _resolve_device(device)
+    dataset = instantiate(DATASET, spec.data.name, spec.data.params, "data.name", "data.params")
+    partitioner = instantiate(
+        PARTITIONER, spec.partition.scheme, spec.partition.params, "partition.scheme", "partition.params"
+    )
+    raw = dataset.load().validate(f"dataset '{spec.data.name}'")
+    pool = _Pool(raw, spec.data.include_test)
+    num_classes = raw.num_classes
+
+    public_pos = None
+    if spec.public is not None:
+        public_pos = _carve_public(spec.public, pool.labels, num_classes, seed)
+    if public_pos is None:
+        remaining = np.arange(pool.size, dtype=np.int64)
+    else:
+        keep = np.ones(pool.size, dtype=bool)
+        keep[public_pos] = False
+        remaining = np.flatnonzero(keep).astype(np.int64)
+
+    num_clients = spec.partition.num_clients
+    min_samples = spec.partition.min_samples
+    parts = partitioner.split(
+        pool.labels[remaining],
+        None if pool.domains is None else pool.domains[remaining],
+        num_clients,
+        num_classes,
+        derive_rng(seed, "partition"),
+        min_samples=min_samples,
+    )
+    parts = _check_partition(parts, num_clients, len(remaining), spec.partition.scheme)
+    for i, part in enumerate(parts):
+        if len(part) < min_samples:
+            raise SpecError(
+                "partition.min_samples",
+                f"client {i} received {len(part)} samples, fewer than {min_samples}: use fewer "
+                "clients, a larger alpha, or lower partition.min_samples",
+            )
+
+    image = _is_image(raw.x_train)
+    mean = std = None
+    if image:
+        mean, std = _channel_stats(pool)
+
+    clients = []
+    for i, part in enumerate(parts):
+        positions = np.sort(remaining[part])
+        labels = pool.labels[positions]
+        tr, va, te = stratified_split(
+            labels, spec.partition.val_fraction, spec.partition.test_fraction,
+            derive_rng(seed, "split", i),
+        )
+        if len(te) == 0:
+            raise SpecError(
+                "partition.min_samples",
+                f"client {i} has {len(positions)} samples but no class with two or more, so "
+                "none can go to its test split: raise partition.min_samples or use fewer clients",
+            )
+        domain = None
+        if pool.domains is not None:
+            doms = np.unique(pool.domains[positions])
+            domain = int(doms[0]) if len(doms) == 1 else None
+        split_pos = {"train": positions[tr], "val": positions[va], "test": positions[te]}
+        tensors = {}
+        for name, pos in split_pos.items():
+            tensors[f"{name}_x"] = _to_tensor(pool.take_x(pos), mean, std, device)
+            tensors[f"{name}_y"] = _labels_tensor(pool.labels[pos], device)
+        clients.append(ClientData(id=i, indices=split_pos, domain=domain, **tensors))
+
+    public = None
+    if public_pos is not None:
+        true_y = _labels_tensor(pool.labels[public_pos], device)
+        public = PublicData(
+            x=_to_tensor(pool.take_x(public_pos), mean, std, device),
+            y=true_y.clone() if spec.public.labelled else None,
+            indices=public_pos,
+            true_y=true_y,
+        )
+
+    sample_shape = tuple(clients[0].train_x.shape[1:])
+    return FederatedData(
+        clients=clients,
+        public=public,
+        num_classes=num_classes,
+        input_shape=sample_shape,
+        class_names=list(raw.class_names) if raw.class_names else [str(c) for c in range(num_classes)],
+        domain_names=list(raw.domain_names) if raw.domain_names else None,
+        pool_size=pool.size,
+        train_size=pool.n_train,
+        includes_test=pool.with_test,
+        mean=None if mean is None else tuple(float(v) for v in mean),
+        std=None if std is None else tuple(float(v) for v in std),
+        partitioner=partitioner,
+        dataset=dataset,
+    )
