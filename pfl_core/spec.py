@@ -278,7 +278,8 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
     if isinstance(exc, FieldError):
         return path + [exc.name], exc.message
     if isinstance(exc, KeyError):
-        return path + [str(exc.args[0])], "required key is missing"
+        key = str(exc.args[0])
+        return (path if path[-1:] == [key] else path + [key]), "required key is missing"
     return path, str(exc)
 
 

@@ -189,7 +189,8 @@ class _Torchvision(DatasetPlugin):
             reason = _short(first)
             if not self.params.download:
                 reason = "data.params.download is false"
-                if os.path.isdir(os.path.join(root, self.folder)):
+                folder = os.path.join(root, self.folder)
+                if os.path.isdir(folder) and os.listdir(folder):
                     reason = f"files under {self.folder}/ are incomplete or fail torchvision's check; " + reason
             else:
                 reason = self._try_download(root)

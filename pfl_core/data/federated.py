@@ -173,7 +173,8 @@ def apportion(total: int, weights, caps, rng: np.random.Generator) -> np.ndarray
     (largest remainder, ties broken by ``rng``), never above ``caps``; what a capped entry
     cannot take goes to the others in proportion to their weights (uniformly if they all
     have weight 0)."""
-    weights = np.asarray(weights, dtype=np.float64)
+    weights = np.nan_to_num(np.asarray(weights, dtype=np.float64), nan=0.0, posinf=0.0)
+    weights = np.maximum(weights, 0.0)
     caps = np.asarray(caps, dtype=np.int64)
     counts = np.zeros(len(caps), dtype=np.int64)
     remaining = int(min(total, caps.sum()))
@@ -263,31 +264,37 @@ def _is_image(x: np.ndarray) -> bool:
 
 
 def _channel_stats(pool: _Pool) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and std of the pool's images scaled to [0, 1], in chunks."""
+    """Exact per-channel mean and std of the pool's images scaled to [0, 1].
+
+    Computed from a per-channel histogram of the uint8 values, in chunks (no float copy).
+    """
     x0 = pool.raw.x_train
     channels = 1 if x0.ndim == 3 else x0.shape[-1]
-    total = np.zeros(channels)
-    squares = np.zeros(channels)
-    count = 0
+    offsets = (np.arange(channels, dtype=np.int32) * 256)[None, :]
+    hist = np.zeros(256 * channels, dtype=np.int64)
     for x in pool.arrays():
-        for start in range(0, len(x), 4096):
-            chunk = x[start : start + 4096].reshape(-1, channels).astype(np.float64) / 255.0
-            total += chunk.sum(axis=0)
-            squares += np.square(chunk).sum(axis=0)
-            count += chunk.shape[0]
-    mean = total / count
-    std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
+        flat = x.reshape(-1, channels)
+        step = max(1, (1 << 22) // channels)
+        for start in range(0, len(flat), step):
+            codes = flat[start : start + step].astype(np.int32) + offsets
+            hist += np.bincount(codes.ravel(), minlength=256 * channels)
+    hist = hist.reshape(channels, 256).astype(np.float64)
+    values = np.arange(256, dtype=np.float64) / 255.0
+    count = hist.sum(axis=1)
+    mean = hist @ values / count
+    var = hist @ values**2 / count - mean**2
+    std = np.sqrt(np.maximum(var, 0.0))
     std[std < 1e-6] = 1.0  # a constant channel is left centred, not blown up
     return mean, std
 
 
 def _to_tensor(x: np.ndarray, mean, std, device) -> torch.Tensor:
     if _is_image(x):
-        t = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32).div_(255.0)
-        t = t.unsqueeze(1) if t.dim() == 3 else t.permute(0, 3, 1, 2)
-        m = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        s = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        t = ((t - m) / s).contiguous()
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        t = t.unsqueeze(1) if t.dim() == 3 else t.permute(0, 3, 1, 2).contiguous()  # NCHW uint8
+        t = t.to(torch.float32).div_(255.0)
+        t.sub_(torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        t.div_(torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
     else:
         t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     return t.to(device)

@@ -99,43 +99,45 @@ def pathological_split(
     labels: np.ndarray,
     positions: np.ndarray,
     num_clients: int,
-    num_classes: int,
     classes_per_client: int,
     rng: np.random.Generator,
-    where: str = "",
+    where: str = "the dataset",
 ) -> list[np.ndarray]:
     """Each of ``num_clients`` clients holds exactly ``classes_per_client`` distinct classes.
 
-    Client i takes the classes at places ``i*k .. i*k+k-1`` (cyclically) of a seeded
-    permutation of the classes, so every class is held by as equal a number of clients as
-    possible (counts differ by at most one). Each class's samples among ``positions`` are
-    shuffled and cut into equal shards, one per client holding it. ``labels`` are the labels
-    of ``positions``; ``where`` names the subset for error messages (e.g. "in domain 2").
+    ``labels`` are the labels of ``positions``; the classes dealt out are those present in
+    ``labels``. Client i takes the classes at places ``i*k .. i*k+k-1`` (cyclically) of a
+    seeded permutation of them, so every class is held by as equal a number of clients as
+    possible (counts differ by at most one). Each class's samples are shuffled and cut into
+    equal shards, one per client holding it. ``where`` names the subset in error messages
+    (e.g. "domain 2").
     """
     k = classes_per_client
-    if k > num_classes:
+    present = np.unique(labels)
+    if k > len(present):
         raise SpecError(
             "partition.params.classes_per_client",
-            f"{k} classes per client but the dataset has {num_classes} classes",
+            f"{k} classes per client but {where} has {len(present)} classes",
         )
-    order = rng.permutation(num_classes)
-    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    order = present[rng.permutation(len(present))]
+    holders: dict[int, list[int]] = {int(c): [] for c in present}
     for client in range(num_clients):
         for j in range(k):
-            holders[order[(client * k + j) % num_classes]].append(client)
+            holders[int(order[(client * k + j) % len(present)])].append(client)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-    for cls in range(num_classes):
-        if not holders[cls]:
+    for cls in present:
+        held_by = holders[int(cls)]
+        if not held_by:
             continue
         idx = positions[labels == cls]
-        if len(idx) < len(holders[cls]):
+        if len(idx) < len(held_by):
             raise SpecError(
                 "partition.num_clients",
-                f"class {cls} has {len(idx)} samples{where} but {len(holders[cls])} clients "
+                f"class {cls} has {len(idx)} samples in {where} but {len(held_by)} clients "
                 "must hold it: use fewer clients or fewer classes_per_client",
             )
-        shards = split_by_proportions(rng.permutation(idx), _equal(len(holders[cls])))
-        for client, shard in zip(holders[cls], shards):
+        shards = split_by_proportions(rng.permutation(idx), _equal(len(held_by)))
+        for client, shard in zip(held_by, shards):
             parts[client].append(shard)
     return [_concat_sorted(p) for p in parts]
 
@@ -200,8 +202,9 @@ class Pathological(PartitionerPlugin):
     Class assignment cycles through a seeded permutation of the classes (client i gets the
     classes at places i*k .. i*k+k-1, wrapping around), so every class is held by as equal a
     number of clients as possible; each class's samples are split into equal shards among
-    the clients holding it. With ``num_clients * k`` smaller than the number of classes some
-    classes are held by nobody and left out.
+    the clients holding it. The classes dealt out are those present among the samples being
+    partitioned. With ``num_clients * k`` smaller than the number of classes some classes are
+    held by nobody and left out.
     """
 
     name = "pathological"
@@ -210,9 +213,7 @@ class Pathological(PartitionerPlugin):
     def split(self, labels, domains, num_clients, num_classes, rng, *, min_samples=1):
         labels = np.asarray(labels)
         positions = np.arange(len(labels), dtype=np.int64)
-        return pathological_split(
-            labels, positions, num_clients, num_classes, self.params.classes_per_client, rng
-        )
+        return pathological_split(labels, positions, num_clients, self.params.classes_per_client, rng)
 
 
 class Domain(PartitionerPlugin):
@@ -254,7 +255,7 @@ class Hybrid(PartitionerPlugin):
     ``num_clients`` must be a multiple of the number of domains D; with
     ``m = num_clients / D`` clients per domain, client i belongs to domain i // m, and each
     domain's samples are split among its m clients by the pathological scheme
-    (``classes_per_client`` classes each).
+    (``classes_per_client`` of the domain's classes each; same function as ``pathological``).
     """
 
     name = "hybrid"
@@ -277,8 +278,8 @@ class Hybrid(PartitionerPlugin):
             positions = np.flatnonzero(domains == value).astype(np.int64)
             out.extend(
                 pathological_split(
-                    labels[positions], positions, per_domain, num_classes,
-                    self.params.classes_per_client, rng, where=f" in domain {value}",
+                    labels[positions], positions, per_domain,
+                    self.params.classes_per_client, rng, where=f"domain {value}",
                 )
             )
         return out
