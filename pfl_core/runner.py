@@ -65,6 +65,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
 
 
 def _fmt(value) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+        return str(int(value))
     if isinstance(value, float):
         return f"{value:.4f}"
     return str(value)

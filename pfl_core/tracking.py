@@ -54,8 +54,13 @@ class MlflowTracker(NullTracker):
     """Logs to MLflow. ``uri`` empty: MLflow's own default (sqlite ``mlflow.db`` here)."""
 
     def __init__(self, uri: str = ""):
+        import logging
+
         import mlflow  # imported lazily: it is slow and only needed when tracking
 
+        # Quiet MLflow's start-up chatter (database migrations, run links) on stderr.
+        for name in ("alembic", "mlflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.mlflow = mlflow
         if uri:
             mlflow.set_tracking_uri(uri)
@@ -95,12 +100,7 @@ def one_line(exc: BaseException) -> str:
 def make_tracker(section, uri_override: str | None = None):
     if not section.enabled:
         return NullTracker()
-    # Quiet MLflow's own start-up chatter (alembic migrations, emoji run links) on stderr.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import logging
-
-    for name in ("alembic", "mlflow"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowTracker(uri_override or section.uri)
 
 
