@@ -143,7 +143,7 @@ class Engine:
 
     def run(self) -> RunResult:
         spec = self.spec
-        ctx = self.prepare()
+        ctx = self.ctx = self.prepare()  # kept for inspection after the run
         tags = {"algorithm": spec.algorithm.name, "pfl.version": _version(), **spec.tracking.tags}
         self.tracker.start(spec.tracking.experiment or spec.experiment.name, self.run_name,
                            flatten(self.resolved.as_dict), tags)

@@ -109,6 +109,8 @@ class DataSection:
     params: dict[str, Any] = field(factory=dict)
     # Pool the dataset's official test split with its training split before partitioning.
     include_test: bool = False
+    # Use a seeded uniform subset of this many pool samples (quick experiments, tests).
+    subsample: Optional[int] = field(default=None, validator=at_least(1))
 
 
 @define

@@ -390,13 +390,20 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     pool = _Pool(raw, spec.data.include_test)
     num_classes = raw.num_classes
 
+    # data.subsample: a seeded uniform subset of the pool stands in for the whole of it.
+    universe = np.arange(pool.size, dtype=np.int64)
+    if spec.data.subsample is not None and spec.data.subsample < pool.size:
+        picked = derive_rng(seed, "subsample").choice(pool.size, size=spec.data.subsample, replace=False)
+        universe = np.sort(picked).astype(np.int64)
+
     public_pos = None
     if spec.public is not None:
-        public_pos = _carve_public(spec.public, pool.labels, num_classes, seed)
+        public_pos = universe[_carve_public(spec.public, pool.labels[universe], num_classes, seed)]
     if public_pos is None:
-        remaining = np.arange(pool.size, dtype=np.int64)
+        remaining = universe
     else:
-        keep = np.ones(pool.size, dtype=bool)
+        keep = np.zeros(pool.size, dtype=bool)
+        keep[universe] = True
         keep[public_pos] = False
         remaining = np.flatnonzero(keep).astype(np.int64)
 
