@@ -1,0 +1,127 @@
+"""The command line: bad input gets one line naming the key and exit code 2, no traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pfl_core import tomlout
+from pfl_core.cli import main, run_main
+from tiny import tiny_raw
+
+BIN = Path(sys.executable).parent
+
+
+def write_spec(tmp_path, raw, name="spec.toml") -> str:
+    path = tmp_path / name
+    path.write_text(tomlout.dumps(raw))
+    return str(path)
+
+
+def run_cli(capsys, *args):
+    code = run_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({"experiment.roudns": 3}, ["experiment.roudns", "did you mean 'rounds'"]),
+        ({"experiment.rounds": -1}, ["experiment.rounds", ">= 1"]),
+        ({"experiment.rounds": "many"}, ["experiment.rounds", "integer"]),
+        ({"algorithm.name": "fedavgg"}, ["algorithm.name", "did you mean 'fedavg'"]),
+        ({"data.name": "mnistt"}, ["data.name", "did you mean 'mnist'"]),
+        ({"model.name": "lenet"}, ["model.name", "did you mean 'lenet5'"]),
+        ({"partition.scheme": "dirichlet", "partition.params.alpha": 0}, ["partition.params.alpha", "> 0"]),
+        ({"partition.scheme": "dirichlet", "partition.params.alpah": 1}, ["partition.params.alpah", "alpha"]),
+        ({"partition.scheme": "pathological", "partition.params.classes_per_client": 11},
+         ["partition.params.classes_per_client", "11"]),
+        ({"algorithm.name": "fedprox", "algorithm.params.mu": -1}, ["algorithm.params.mu", ">= 0"]),
+        ({"data.name": "npz", "data.params": {"path": "/nonexistent/x.npz"}}, ["/nonexistent/x.npz", "data.params.path"]),
+        ({"model.clients": ["mlp", "mlp"]}, ["model.clients", "2 architectures for 4 clients"]),
+        ({"model.pool": ["mlp", "lenet5"]}, ["model.pool", "same architecture"]),
+        ({"data.name": "lenet5"}, ["data.name", "is a model plugin"]),
+    ],
+)
+def test_bad_specs_exit_2_with_one_line_naming_the_key(tmp_path, capsys, overrides, expected):
+    code, out, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**overrides)), "--dry-run")
+    assert code == 2
+    line = one_line_error(err)
+    for fragment in expected:
+        assert fragment in line, line
+
+
+def test_bad_override_is_reported_like_a_bad_spec(tmp_path, capsys):
+    spec = write_spec(tmp_path, tiny_raw())
+    code, _, err = run_cli(capsys, spec, "--set", "training.lr=fast", "--dry-run")
+    assert code == 2 and "training.lr" in one_line_error(err)
+    code, _, err = run_cli(capsys, spec, "--set", "training.lrr=0.1", "--dry-run")
+    assert code == 2 and "training.lrr" in one_line_error(err)
+
+
+def test_missing_spec_file_and_invalid_toml(tmp_path, capsys):
+    code, _, err = run_cli(capsys, str(tmp_path / "nope.toml"))
+    assert code == 2 and "not found" in one_line_error(err)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[experiment\nname = 1\n")
+    code, _, err = run_cli(capsys, str(bad))
+    assert code == 2 and "not valid TOML" in one_line_error(err)
+
+
+def test_bad_sweep_point_is_named(tmp_path, capsys):
+    raw = tiny_raw(**{"sweep": {"algorithm.name": ["local", "fedavgx"]}})
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
+    line = one_line_error(err)
+    assert code == 2 and "algorithm.name" in line and "sweep point" in line
+
+
+def test_dry_run_prints_the_resolved_spec_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = tiny_raw(**{"algorithm.name": "fedprox", "tracking.enabled": True})
+    code, out, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run", "--set", "experiment.rounds=5")
+    assert code == 0, err
+    import tomllib
+
+    resolved = tomllib.loads(out.split("# ok")[0])
+    assert resolved["experiment"]["rounds"] == 5
+    assert resolved["algorithm"]["params"] == {"mu": 0.01}  # the plugin's default, filled in
+    assert resolved["data"]["params"]["alpha"] == 1.0
+    assert "# ok: 4 clients" in out
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_run_prints_the_per_client_table(tmp_path, capsys):
+    code, out, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--quiet")
+    assert code == 0, err
+    assert "per-client results" in out and out.count(" mlp ") == 4
+
+
+def test_pfl_plugins_lists_builtins_with_versions_and_hooks(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    for name in ("fedavg", "fedprox", "local", "centralized", "synthetic", "npz", "cifar100",
+                 "dirichlet", "group_dirichlet", "lenet5", "vgg16"):
+        assert name in rows, name
+    assert "local_objective" in rows["fedprox"] and "server_aggregate" in rows["fedprox"]
+    assert " pfl " in rows["fedavg"] and "0.1.0" in rows["fedavg"]
+    assert "dataset" in rows["npz"] and "model" in rows["lenet5"]
+
+
+def test_console_script_exits_2_without_traceback(tmp_path):
+    spec = write_spec(tmp_path, tiny_raw(**{"partition.params.alpha": 1}))
+    proc = subprocess.run([str(BIN / "pfl-run"), spec], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2
+    line = one_line_error(proc.stderr)
+    assert line.startswith("pfl-run: error: partition.params.alpha")
