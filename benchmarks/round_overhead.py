@@ -31,8 +31,8 @@ Exit status 0 whatever the figures (pass ``--strict`` to exit 1 on a MISS).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
-import math
 import os
 import platform
 import re
@@ -50,8 +50,7 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.evaluation import evaluate_clients
 
 TRAIN_PER_CLIENT = 500
-TEST_PER_CLIENT = 125
-PER_CLIENT = TRAIN_PER_CLIENT + TEST_PER_CLIENT  # test_fraction 0.2 of 625 = 125
+TEST_PER_CLIENT = 100  # default: 20% of the 500 training samples (--test-per-client)
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 LR = 0.01
@@ -59,6 +58,7 @@ LR = 0.01
 RATIO_TARGET = 1.10
 EVAL_TARGET = 0.10
 PER_CLIENT_GROWTH_LIMIT = 0.5  # model copies per added client
+FEW = 2  # clients in the small round the memory check compares against
 
 
 # ---------------------------------------------------------------------------
@@ -72,6 +72,14 @@ def _status_kb(field: str) -> int | None:
         return None
     m = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.M)
     return int(m.group(1)) if m else None
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so that RSS is the live set."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reset_peak() -> bool:
@@ -111,32 +119,38 @@ def _tensors(obj, seen: set[int] | None = None) -> tuple[int, int]:
 # Set-up through the real code path
 
 
-def write_npz(path: Path, num_clients: int, seed: int) -> None:
+def write_npz(path: Path, num_clients: int, test_per_client: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    n = num_clients * PER_CLIENT
+    n = num_clients * (TRAIN_PER_CLIENT + test_per_client)
     x = rng.integers(0, 256, size=(n, *IMAGE_SHAPE), dtype=np.uint8)
     y = rng.integers(0, NUM_CLASSES, size=n).astype(np.int64)
     np.savez(path, x_train=x, y_train=y, classes=np.array([str(c) for c in range(NUM_CLASSES)]))
 
 
-def make_spec(npz: Path, num_clients: int, batch_size: int) -> dict:
+def make_spec(npz: Path, num_clients: int, batch_size: int, test_per_client: int, threads: int) -> dict:
+    # The IID partition deals out equal shares; stratified_split then takes
+    # round(share * test_fraction) test samples, which is exactly test_per_client.
+    test_fraction = test_per_client / (TRAIN_PER_CLIENT + test_per_client)
     return {
         "experiment": {"name": "round_overhead", "seed": 0, "rounds": 1},
         "data": {"name": "npz", "params": {"path": str(npz)}},
-        "partition": {"scheme": "iid", "num_clients": num_clients, "val_fraction": 0.0, "test_fraction": 0.2},
+        "partition": {"scheme": "iid", "num_clients": num_clients, "val_fraction": 0.0,
+                      "test_fraction": test_fraction},
         "model": {"name": "lenet5"},
         "algorithm": {"name": "fedavg"},
         "training": {"local_epochs": 1, "batch_size": batch_size, "lr": LR},
         "tracking": {"enabled": False, "progress": False},
-        # executor.threads unset: torch's default intra-op threads, same for the plain loop
+        # threads 0 (the default): torch's own intra-op threads; the plain loop runs after
+        # prepare() in the same process, so it always gets the same number.
+        "executor": {"threads": threads},
     }
 
 
-def prepare(npz: Path, num_clients: int, batch_size: int):
-    engine = Engine(resolve(make_spec(npz, num_clients, batch_size)), progress=False)
+def prepare(npz: Path, num_clients: int, batch_size: int, test_per_client: int, threads: int):
+    engine = Engine(resolve(make_spec(npz, num_clients, batch_size, test_per_client, threads)), progress=False)
     ctx = engine.prepare()
     sizes = {(c.num_train, len(c.test_y)) for c in ctx.data.clients}
-    if sizes != {(TRAIN_PER_CLIENT, TEST_PER_CLIENT)}:
+    if sizes != {(TRAIN_PER_CLIENT, test_per_client)}:
         raise SystemExit(f"unexpected client split sizes {sorted(sizes)}")
     ctx.hooks.setup(ctx=ctx)
     return engine, ctx
@@ -163,8 +177,8 @@ def plain_epoch(model, optimizer, x, y, batch_size: int, generator: torch.Genera
 # One configuration
 
 
-def bench(npz: Path, num_clients: int, batch_size: int, repeats: int) -> dict:
-    engine, ctx = prepare(npz, num_clients, batch_size)
+def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_client: int, threads: int) -> dict:
+    engine, ctx = prepare(npz, num_clients, batch_size, test_per_client, threads)
     arch = ctx.models.arch_of(0)
     x, y = ctx.data.pooled_train()
     assert len(y) == num_clients * TRAIN_PER_CLIENT
@@ -215,16 +229,40 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int) -> dict:
             rounds.append(time_round())
         evals.append(time_eval())
 
-    # memory: peak RSS increase during one round, and what the stores hold afterwards
-    gc.collect()
-    rss_before = _status_kb("VmRSS")
-    peak_ok = _reset_peak()
-    rnd += 1
-    engine.run_round(ctx, rnd)
-    hwm = _status_kb("VmHWM")
-    gc.collect()
-    rss_after = _status_kb("VmRSS")
-    peak_kb = (hwm - rss_before) if (peak_ok and hwm is not None and rss_before is not None) else None
+    # memory: peak RSS increase during a round of FEW clients and of all N clients (same
+    # context, so same data and allocator state); a model kept per client would add about
+    # (N - FEW) model copies to the second. Best (lowest) of 2 of each, alternated.
+    everyone = list(ctx.training_clients)
+
+    def peak_round(clients: list[int]) -> tuple[int | None, int | None]:
+        nonlocal rnd
+        ctx.training_clients = clients
+        gc.collect()
+        _trim()
+        before = _status_kb("VmRSS")
+        ok = _reset_peak()
+        rnd += 1
+        engine.run_round(ctx, rnd)
+        hwm = _status_kb("VmHWM")
+        gc.collect()
+        _trim()
+        after = _status_kb("VmRSS")
+        ctx.training_clients = everyone
+        if before is None or after is None:
+            return None, None
+        return (hwm - before if ok and hwm is not None else None), after - before
+
+    few = everyone[:FEW]
+    peaks_few, peaks_all, kept = [], [], []
+    for _ in range(2):
+        p, _k = peak_round(few)
+        peaks_few.append(p)
+        p, k = peak_round(everyone)
+        peaks_all.append(p)
+        kept.append(k)
+    peak_few = None if None in peaks_few else min(peaks_few)
+    peak_kb = None if None in peaks_all else min(peaks_all)
+    retained_kb = None if None in kept else kept[-1]
     store_n, store_b = _tensors([ctx.store[i] for i in ctx.store])
     server_n, server_b = _tensors(ctx.server)
     model_bytes = sum(v.numel() * v.element_size() for v in ctx.models.working(arch).state_dict().values())
@@ -246,7 +284,8 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int) -> dict:
         "ratio_med": statistics.median(r / p for r, p in zip(rounds, plains)),
         "eval_frac": min(evals) / min(rounds),
         "peak_kb": peak_kb,
-        "retained_kb": None if rss_after is None or rss_before is None else rss_after - rss_before,
+        "peak_few_kb": peak_few,
+        "retained_kb": retained_kb,
         "model_bytes": model_bytes,
         "model_tensors": model_tensors,
         "store_tensors": store_n,
@@ -267,20 +306,25 @@ def verdict(ok: bool) -> str:
 def report(results: list[dict]) -> bool:
     mb = 1 / 1024  # kB -> MB
     print()
-    print(f"{'N':>4} {'B':>3} {'steps':>6} | {'round s':>8} {'(med)':>8} | {'plain s':>8} {'(med)':>8} | "
-          f"{'ratio':>6} {'(med)':>6} | {'eval s':>7} {'eval/rnd':>8} | {'peak dRSS MB':>12} "
-          f"{'N*model MB':>10} | {'store':>5} {'server':>11}")
-    print("-" * 136)
+    print(f"{'N':>4} {'B':>3} {'steps':>6} | {'round s':>7} {'(med)':>7} | {'plain s':>7} {'(med)':>7} | "
+          f"{'ratio':>5} {'(med)':>5} | {'eval s':>6} {'eval/rnd':>8} | {'peak MB':>7} {f'({FEW} cl.)':>7} "
+          f"{'kept MB':>7} {'N*model':>7} | {'store':>5} {'server':>11}")
+    print("-" * 132)
     for r in results:
         peak = "n/a" if r["peak_kb"] is None else f"{r['peak_kb'] * mb:.1f}"
-        print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>6} | {r['round_best']:>8.3f} {r['round_med']:>8.3f} | "
-              f"{r['plain_best']:>8.3f} {r['plain_med']:>8.3f} | {r['ratio']:>6.3f} {r['ratio_med']:>6.3f} | "
-              f"{r['eval_best']:>7.3f} {r['eval_frac'] * 100:>7.1f}% | {peak:>12} "
-              f"{r['N'] * r['model_bytes'] / 2**20:>10.2f} | {r['store_tensors']:>5} "
+        few = "n/a" if r["peak_few_kb"] is None else f"{r['peak_few_kb'] * mb:.1f}"
+        kept = "n/a" if r["retained_kb"] is None else f"{r['retained_kb'] * mb:+.1f}"
+        print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>6} | {r['round_best']:>7.3f} {r['round_med']:>7.3f} | "
+              f"{r['plain_best']:>7.3f} {r['plain_med']:>7.3f} | {r['ratio']:>5.3f} {r['ratio_med']:>5.3f} | "
+              f"{r['eval_best']:>6.3f} {r['eval_frac'] * 100:>7.1f}% | {peak:>7} {few:>7} {kept:>7} "
+              f"{r['N'] * r['model_bytes'] / 2**20:>7.2f} | {r['store_tensors']:>5} "
               f"{r['server_tensors']:>3} ({r['server_bytes'] / 1024:.0f} kB)")
     print()
-    print("round/plain: best-of-repeats engine round over best-of-repeats plain epoch ((med): median of paired ratios)")
-    print("store: tensors in ctx.store (all clients); server: tensors in ctx.server (their distinct bytes)")
+    print("times in seconds, best of the repeats (med: median); ratio: best round / best plain epoch "
+          "(med: median of the paired ratios)")
+    print(f"peak MB: VmHWM during a round of all N clients (and of {FEW} clients) minus VmRSS before it, heap trimmed "
+          "first; kept MB: VmRSS after the round minus before; N*model: N copies of the model, MB")
+    print("store: tensors in ctx.store (all clients) after the round; server: tensors in ctx.server (distinct bytes)")
 
     all_ok = True
     print()
@@ -300,29 +344,38 @@ def report(results: list[dict]) -> bool:
         print(f"  {tag} state after round: {r['store_tensors']} tensors in ctx.store, "
               f"{r['server_bytes'] / r['model_bytes']:.2f} model(s) in ctx.server (<= 1)   {verdict(ok)}")
         all_ok &= ok
-    by_batch: dict[int, list[dict]] = {}
     for r in results:
-        if r["peak_kb"] is not None:
-            by_batch.setdefault(r["B"], []).append(r)
-    if not by_batch:
-        print("  peak RSS: not measurable here (/proc/self/clear_refs unavailable)   n/a")
-    for b, rows in sorted(by_batch.items()):
-        rows = sorted(rows, key=lambda r: r["N"])
-        model_kb = rows[0]["model_bytes"] / 1024
-        lo, hi = rows[0], rows[-1]
-        if lo["N"] != hi["N"]:
-            per_client = (hi["peak_kb"] - lo["peak_kb"]) / (hi["N"] - lo["N"]) / model_kb
-            ok = per_client < PER_CLIENT_GROWTH_LIMIT
-            print(f"  B={b:<3} peak round RSS N={lo['N']} -> N={hi['N']}: {lo['peak_kb'] / 1024:.1f} -> "
-                  f"{hi['peak_kb'] / 1024:.1f} MB = {per_client:+.3f} model copies per added client "
-                  f"(< {PER_CLIENT_GROWTH_LIMIT})   {verdict(ok)}")
-        else:
-            copies = lo["peak_kb"] / model_kb
-            ok = copies < lo["N"] * PER_CLIENT_GROWTH_LIMIT
-            print(f"  B={b:<3} peak round RSS N={lo['N']}: {lo['peak_kb'] / 1024:.1f} MB = {copies:.1f} model "
-                  f"copies (< N/2 = {lo['N'] * PER_CLIENT_GROWTH_LIMIT:.0f})   {verdict(ok)}")
+        tag = f"N={r['N']:<3} B={r['B']:<3}"
+        if r["peak_kb"] is None or r["peak_few_kb"] is None:
+            print(f"  {tag} peak RSS: not measurable here (/proc/self/clear_refs unavailable)   n/a")
+            continue
+        model_kb = r["model_bytes"] / 1024
+        per_client = (r["peak_kb"] - r["peak_few_kb"]) / (r["N"] - FEW) / model_kb
+        ok = per_client < PER_CLIENT_GROWTH_LIMIT
+        print(f"  {tag} peak RSS of a round, {FEW} -> {r['N']} clients: {r['peak_few_kb'] / 1024:.1f} -> "
+              f"{r['peak_kb'] / 1024:.1f} MB = {per_client:+.3f} model copies per added client "
+              f"(< {PER_CLIENT_GROWTH_LIMIT})   {verdict(ok)}")
         all_ok &= ok
+    ns = sorted({r["N"] for r in results})
+    if len(ns) > 1:
+        for b in sorted({r["B"] for r in results}):
+            rows = {r["N"]: r for r in results if r["B"] == b and r["peak_kb"] is not None}
+            lo, hi = rows.get(ns[0]), rows.get(ns[-1])
+            if lo and hi:
+                per_client = (hi["peak_kb"] - lo["peak_kb"]) / (hi["N"] - lo["N"]) / (lo["model_bytes"] / 1024)
+                ok = per_client < PER_CLIENT_GROWTH_LIMIT
+                print(f"  B={b:<3}     peak RSS of a round, N={lo['N']} -> N={hi['N']}: {lo['peak_kb'] / 1024:.1f} -> "
+                      f"{hi['peak_kb'] / 1024:.1f} MB = {per_client:+.3f} model copies per added client "
+                      f"(< {PER_CLIENT_GROWTH_LIMIT})   {verdict(ok)}")
+                all_ok &= ok
     return all_ok
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main(argv=None) -> int:
@@ -331,6 +384,10 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[20, 100], help="numbers of clients (N)")
     parser.add_argument("--batch", type=int, nargs="+", default=[10, 50], help="batch sizes (B)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats after warm-up (best is reported)")
+    parser.add_argument("--test-per-client", type=int, default=TEST_PER_CLIENT,
+                        help=f"test samples per client (default {TEST_PER_CLIENT}, 20%% of the 500 train)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="executor.threads for the run (and so the plain loop); 0: torch's default")
     parser.add_argument("--quick", action="store_true", help="N=20, B=50 only (smoke run)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
     args = parser.parse_args(argv)
@@ -338,30 +395,32 @@ def main(argv=None) -> int:
         args.clients, args.batch = [20], [50]
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.test_per_client < 1 or args.threads < 0:
+        parser.error("--test-per-client must be >= 1 and --threads >= 0")
 
     started = time.perf_counter()
     print(f"pfl round overhead: python {platform.python_version()}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} "
-          f"(interop {torch.get_num_interop_threads()}), {platform.machine()}")
+          f"{os.cpu_count()} CPUs, torch threads {args.threads or torch.get_num_threads()} "
+          f"(interop {torch.get_num_interop_threads()}), {platform.machine()}, load average {_loadavg()}")
     print(f"LeNet-5, {IMAGE_SHAPE[2]}x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} inputs, {NUM_CLASSES} classes; per client "
-          f"{TRAIN_PER_CLIENT} train / {TEST_PER_CLIENT} test samples; FedAvg, 1 local epoch, SGD lr {LR}; "
-          f"repeats {args.repeats} (best reported)")
+          f"{TRAIN_PER_CLIENT} train / {args.test_per_client} test samples (IID, random uint8 images and labels); "
+          f"FedAvg, 1 local epoch, SGD lr {LR}; best of {args.repeats} interleaved repeats after 1 warm-up")
     results = []
     with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
         for n in args.clients:
             npz = Path(tmp) / f"random_{n}.npz"
-            write_npz(npz, n, seed=n)
+            write_npz(npz, n, args.test_per_client, seed=n)
             for b in args.batch:
                 t0 = time.perf_counter()
-                r = bench(npz, n, b, args.repeats)
+                r = bench(npz, n, b, args.repeats, args.test_per_client, args.threads)
                 print(f"  N={n:<3} B={b:<3} done in {time.perf_counter() - t0:.0f}s: round {r['round_best']:.3f}s, "
-                      f"plain {r['plain_best']:.3f}s, ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}%",
-                      flush=True)
+                      f"plain {r['plain_best']:.3f}s, ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}% "
+                      f"(load average {_loadavg()})", flush=True)
                 results.append(r)
             npz.unlink()
     ok = report(results)
     print()
-    print(f"overall: {verdict(ok)}   (total {time.perf_counter() - started:.0f}s)")
+    print(f"overall: {verdict(ok)}   (total {time.perf_counter() - started:.0f}s, load average {_loadavg()})")
     return 1 if (args.strict and not ok) else 0
 
 
