@@ -11,7 +11,6 @@ from .federated import (
     PublicData,
     apportion,
     build_federated_data,
-    derive_rng,
     stratified_split,
 )
 from .partitioners import pathological_split, split_by_proportions
@@ -25,7 +24,6 @@ __all__ = [
     "RawDataset",
     "apportion",
     "build_federated_data",
-    "derive_rng",
     "pathological_split",
     "split_by_proportions",
     "stratified_split",

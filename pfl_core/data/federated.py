@@ -7,7 +7,6 @@ pool sample belongs to at most one client or to the public set U.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Optional, Union
 
 import attrs
@@ -16,6 +15,7 @@ import torch
 
 from ..errors import PflError, SpecError
 from ..registry import DATASET, PARTITIONER, instantiate
+from ..seeding import numpy_rng
 from .base import DatasetPlugin, PartitionerPlugin, RawDataset
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "PublicData",
     "FederatedData",
     "build_federated_data",
-    "derive_rng",
     "apportion",
     "stratified_split",
 ]
@@ -152,20 +151,6 @@ class FederatedData:
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-def _stable_int(key: Union[int, str]) -> int:
-    if isinstance(key, str):
-        return zlib.crc32(key.encode("utf-8"))
-    return int(key) % (1 << 64)
-
-
-def derive_rng(seed: int, *keys: Union[int, str]) -> np.random.Generator:
-    """A generator for one purpose: SeedSequence([seed, crc32(key) or int key, ...]).
-
-    Stable across processes and Python versions (never uses ``hash()``).
-    """
-    return np.random.default_rng(np.random.SeedSequence([_stable_int(seed), *map(_stable_int, keys)]))
 
 
 def apportion(total: int, weights, caps, rng: np.random.Generator) -> np.ndarray:
@@ -325,7 +310,7 @@ def _carve_public(spec_public, labels: np.ndarray, num_classes: int, seed: int) 
             f"{size} public samples is not smaller than the training pool of {n} samples: "
             "lower it (the clients need the rest)",
         )
-    rng = derive_rng(seed, "public")
+    rng = numpy_rng(seed, "public")
     by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
     avail = np.array([len(i) for i in by_class])
     if spec_public.sampling == "balanced":
@@ -393,7 +378,7 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     # data.subsample: a seeded uniform subset of the pool stands in for the whole of it.
     universe = np.arange(pool.size, dtype=np.int64)
     if spec.data.subsample is not None and spec.data.subsample < pool.size:
-        picked = derive_rng(seed, "subsample").choice(pool.size, size=spec.data.subsample, replace=False)
+        picked = numpy_rng(seed, "subsample").choice(pool.size, size=spec.data.subsample, replace=False)
         universe = np.sort(picked).astype(np.int64)
 
     public_pos = None
@@ -414,7 +399,7 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
         None if pool.domains is None else pool.domains[remaining],
         num_clients,
         num_classes,
-        derive_rng(seed, "partition"),
+        numpy_rng(seed, "partition"),
         min_samples=min_samples,
     )
     parts = _check_partition(parts, num_clients, len(remaining), spec.partition.scheme)
@@ -437,7 +422,7 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
         labels = pool.labels[positions]
         tr, va, te = stratified_split(
             labels, spec.partition.val_fraction, spec.partition.test_fraction,
-            derive_rng(seed, "split", i),
+            numpy_rng(seed, "split", client=i),
         )
         if len(te) == 0:
             raise SpecError(
