@@ -43,10 +43,11 @@ class Resolved:
 def resolve(raw: dict) -> Resolved:
     """Structure and validate a raw spec dict (after overrides); raises SpecError."""
     spec = structure(raw, Spec)
-    addons = [
-        registry.instantiate(registry.ADDON, ref.name, ref.params, f"addons[{i}].name", f"addons[{i}].params")
-        for i, ref in enumerate(spec.addons)
-    ]
+    addons = []
+    for i, ref in enumerate(spec.addons):
+        addon = registry.instantiate(registry.ADDON, ref.name, ref.params, f"addons[{i}].name", f"addons[{i}].params")
+        addon.spec_path = f"addons[{i}]"
+        addons.append(addon)
     algorithm = registry.instantiate(
         registry.ALGORITHM, spec.algorithm.name, spec.algorithm.params, "algorithm.name", "algorithm.params"
     )

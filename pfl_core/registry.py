@@ -48,6 +48,10 @@ class Plugin:
 
     def __init__(self, params: Any = None):
         self.params = params if params is not None else self.Params()
+        # Where the spec configured this plugin ("algorithm", "addons[1]", "data", ...), so a
+        # plugin's own checks name the full key path: f"{self.spec_path}.params.mu".
+        self.spec_path = {ALGORITHM: "algorithm", DATASET: "data", PARTITIONER: "partition",
+                          MODEL: "model"}.get(self.kind, self.kind)
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name} {self.params}>"

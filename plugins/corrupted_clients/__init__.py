@@ -1,0 +1,60 @@
+"""Corrupted clients: an add-on that flips the labels of chosen clients, for robustness
+experiments with any method (FedMosaic's Appendix B: "client 0 was assigned flipped labels").
+
+Composes with every algorithm: it wraps ``setup`` (a pluggy hook wrapper), so the labels are
+flipped before any plugin's own set-up reads them (label histograms, class frequencies).
+
+- ``mapping = "reverse"``: y -> C - 1 - y (every class moves, a fixed permutation).
+- ``mapping = "shift"``: y -> (y + 1) mod C.
+- ``splits``: which of the client's splits are flipped. The default flips all three: the
+  client's own distribution is flipped, so its test split measures how well it fits its own
+  (corrupted) task, as in the paper. ``["train"]`` instead poisons training only.
+"""
+
+from __future__ import annotations
+
+from attrs import define, field
+
+from pfl_core import ADDON, Plugin, SpecError, hookimpl
+from pfl_core.spec import FieldError, one_of
+
+SPLITS = ("train", "val", "test")
+
+
+def _splits(_instance, attribute, value):
+    bad = [s for s in value if s not in SPLITS]
+    if bad or not value:
+        raise FieldError(attribute.name, f"must be a non-empty list of {', '.join(SPLITS)}; got {value!r}")
+
+
+@define
+class CorruptedClientsParams:
+    clients: list[int] = field(factory=lambda: [0])
+    mapping: str = field(default="reverse", validator=one_of("reverse", "shift"))
+    splits: list[str] = field(factory=lambda: list(SPLITS), validator=_splits)
+
+
+def flip(y, num_classes: int, mapping: str):
+    return (num_classes - 1 - y) if mapping == "reverse" else (y + 1) % num_classes
+
+
+class CorruptedClients(Plugin):
+    name = "corrupted_clients"
+    kind = ADDON
+    Params = CorruptedClientsParams
+
+    @hookimpl
+    def check_spec(self, spec):
+        n = spec.partition.num_clients
+        for i, client in enumerate(self.params.clients):
+            if not 0 <= client < n:
+                raise SpecError(f"{self.spec_path}.params.clients[{i}]", f"client {client} does not exist ({n} clients)")
+
+    @hookimpl(wrapper=True)
+    def setup(self, ctx):
+        for client_id in self.params.clients:
+            data = ctx.data.clients[client_id]
+            for split in self.params.splits:
+                labels = getattr(data, f"{split}_y")
+                setattr(data, f"{split}_y", flip(labels, ctx.num_classes, self.params.mapping))
+        return (yield)
