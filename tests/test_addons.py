@@ -64,7 +64,7 @@ def test_heterogeneous_client_architectures(tmp_path):
     assert engine.ctx.store[0]["weights"].keys() != engine.ctx.store[1]["weights"].keys() or \
         engine.ctx.store[0]["weights"]["conv1.weight"].shape != engine.ctx.store[1]["weights"]["conv1.weight"].shape
     with pytest.raises(SpecError) as info:  # weight averaging needs one architecture
-        run_tiny(**images, **{"algorithm.name": "fedavg", "model.clients": ["lenet5", "cnn2", "lenet5", "lenet5"]})
+        run_tiny(**{**images, "algorithm.name": "fedavg", "model.clients": ["lenet5", "cnn2", "lenet5", "lenet5"]})
     assert info.value.path == "model.clients"
     with pytest.raises(SpecError) as info:  # lenet5 needs images; synthetic gives vectors
         run_tiny(**{"algorithm.name": "local", "model.pool": ["mlp", "lenet5"]})
