@@ -260,6 +260,7 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         p, k = peak_round(everyone)
         peaks_all.append(p)
         kept.append(k)
+    if os.environ.get("RO_DEBUG"): print("peaks", peaks_few, peaks_all, kept)
     peak_few = None if None in peaks_few else min(peaks_few)
     peak_kb = None if None in peaks_all else min(peaks_all)
     retained_kb = None if None in kept else kept[-1]

@@ -203,6 +203,7 @@ class RunContext:
         # Clients that take part in federated training (all of them unless a plugin holds
         # some out, e.g. cold-start clients that only personalise at the end).
         self.training_clients: list[int] = list(range(len(data.clients)))
+        self.coldstart_clients: list[int] = []
         self.comm_up = 0  # cumulative bytes, counted by the engine
         self.comm_down = 0
         self.tracker = None  # set by the engine; plugins log artifacts through it
@@ -228,6 +229,7 @@ class RunContext:
     def seed_for(self, purpose: str, client_id: int = seeding.SERVER) -> int:
         return seeding.derive_seed(self.spec.experiment.seed, purpose, self.round, client_id)
 
-    def log(self, **metrics: float) -> None:
-        """Extra metrics for this round (logged with the round's evaluation metrics)."""
-        self.round_metrics.update(metrics)
+    def log(self, metrics: dict[str, float] | None = None, **more: float) -> None:
+        """Extra metrics for this round (logged with the round's evaluation metrics).
+        Per-client values use ``name/client_id`` keys, e.g. ``{"lambda/3": 0.7}``."""
+        self.round_metrics.update(metrics or {}, **more)

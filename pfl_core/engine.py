@@ -20,6 +20,7 @@ from .evaluation import evaluate_clients
 from .executors import make_executor
 from .payload import nbytes
 from .registry import Plugin
+from .seeding import numpy_rng
 from .spec import Spec, structure, unstructure
 from .tracking import NullTracker, Progress, flatten
 
@@ -109,6 +110,11 @@ class Engine:
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
                          make_executor(spec.executor), device)
         ctx.tracker = self.tracker
+        held_out = spec.experiment.coldstart_clients
+        if held_out:
+            chosen = numpy_rng(spec.experiment.seed, "coldstart").choice(ctx.num_clients, held_out, replace=False)
+            ctx.coldstart_clients = sorted(int(i) for i in chosen)
+            ctx.training_clients = [i for i in range(ctx.num_clients) if i not in ctx.coldstart_clients]
         return ctx
 
     # -- one round --------------------------------------------------------------------
@@ -186,9 +192,23 @@ class Engine:
             if extra:
                 final.update(extra)
                 self.tracker.log_metrics(extra, step=spec.experiment.rounds)
+        if ctx.coldstart_clients:
+            coldstart, coldstart_rows = self._evaluate_coldstart(ctx)
+            final.update(coldstart)
+            self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
+            rows = rows + [{**row, "coldstart": True} for row in coldstart_rows]
         self._log_results(history, rows)
         final.pop("round", None)
         return RunResult(history=history, client_rows=rows, final=final)
+
+    def _evaluate_coldstart(self, ctx: RunContext) -> tuple[dict[str, float], list[dict]]:
+        """Personalise each held-out client from the final state, then score it."""
+
+        def personalize(client):
+            torch.manual_seed(ctx.seed_for("coldstart", client.id))
+            return ctx.hooks.coldstart_personalize(ctx=ctx, client=client)
+
+        return evaluate_clients(ctx, client_ids=ctx.coldstart_clients, models_for=personalize, prefix="coldstart_")
 
     # -- artifacts --------------------------------------------------------------------
 

@@ -50,32 +50,37 @@ def summarize(accuracies: list[float], losses: list[float], prefix: str = "") ->
     }
 
 
-def evaluate_clients(ctx, split: str = "test", client_ids=None) -> tuple[dict[str, float], list[dict]]:
+def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,
+                     prefix: str = "") -> tuple[dict[str, float], list[dict]]:
     """Evaluate each client's personalized model(s) on its own ``split``.
 
-    Returns the summary metrics (per model prefix) and one row per client.
+    ``client_ids`` defaults to the training clients; ``models_for(client)`` to the
+    ``personalized_models`` hook. Returns the summary metrics (per model prefix, each
+    prefixed again by ``prefix``) and one row per client.
     """
     batch_size = ctx.spec.evaluation.batch_size
-    client_ids = range(ctx.num_clients) if client_ids is None else client_ids
+    client_ids = ctx.training_clients if client_ids is None else client_ids
+    if models_for is None:
+        models_for = lambda client: ctx.hooks.personalized_models(ctx=ctx, client=client)  # noqa: E731
     per_prefix: dict[str, tuple[list[float], list[float]]] = {}
     rows = []
     for cid in client_ids:
         client = ctx.client(cid)
-        models = ctx.hooks.personalized_models(ctx=ctx, client=client)
+        models = models_for(client)
         if not models:
             raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
         x = getattr(client.data, f"{split}_x")
         y = getattr(client.data, f"{split}_y")
         row = {"client": cid, "arch": client.arch, "num_train": client.num_train, f"num_{split}": len(y)}
-        for prefix, model in models.items():
+        for model_prefix, model in models.items():
             s = score(model, x, y, batch_size)
-            accs, losses = per_prefix.setdefault(prefix, ([], []))
+            accs, losses = per_prefix.setdefault(model_prefix, ([], []))
             accs.append(s.accuracy)
             losses.append(s.loss)
-            row[f"{prefix}acc"] = s.accuracy
-            row[f"{prefix}loss"] = s.loss
+            row[f"{model_prefix}acc"] = s.accuracy
+            row[f"{model_prefix}loss"] = s.loss
         rows.append(row)
     metrics: dict[str, float] = {}
-    for prefix, (accs, losses) in per_prefix.items():
-        metrics.update(summarize(accs, losses, prefix))
+    for model_prefix, (accs, losses) in per_prefix.items():
+        metrics.update(summarize(accs, losses, prefix + model_prefix))
     return metrics, rows

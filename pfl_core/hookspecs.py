@@ -98,6 +98,13 @@ class Hooks:
         """The model(s) evaluated for this client: ``{metric_prefix: nn.Module}``; the prefix
         ``""`` is the client's personalized model, others (``"server_"``) are logged beside."""
 
+    @hookspec(firstresult=True)
+    def coldstart_personalize(self, ctx, client):
+        """After the last round, for each cold-start client (held out of training): build its
+        personalized model(s) from the final federated state; same return shape as
+        ``personalized_models``. Default: broadcast to it, ``on_receive``, then
+        ``experiment.coldstart_epochs`` epochs of plain local training of ``client.model``."""
+
     @hookspec
     def on_finish(self, ctx):
         """After the last round (final fine-tuning, cold-start clients). May return metrics."""

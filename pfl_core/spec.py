@@ -100,6 +100,11 @@ class ExperimentSection:
     rounds: int = field(default=10, validator=at_least(1))
     # Fraction of clients sampled each round with the round's seeded RNG.
     participation: float = field(default=1.0, validator=between(0, 1, low_open=True))
+    # Cold-start clients: held out of training entirely (seeded choice); after the last round
+    # each personalises from the final federated state for coldstart_epochs local epochs and
+    # is evaluated separately (coldstart_acc_mean ...): the participation gap.
+    coldstart_clients: int = field(default=0, validator=at_least(0))
+    coldstart_epochs: int = field(default=1, validator=at_least(0))
     description: str = ""
 
 
@@ -225,6 +230,14 @@ class Spec:
     executor: ExecutorSection = field(factory=ExecutorSection)
     # dotted key -> list of values; the cartesian product runs as separate runs.
     sweep: dict[str, list[Any]] = field(factory=dict)
+
+    def __attrs_post_init__(self):
+        if self.experiment.coldstart_clients >= self.partition.num_clients:
+            raise FieldError(
+                "experiment.coldstart_clients",
+                f"{self.experiment.coldstart_clients} cold-start clients leave no client to train "
+                f"(partition.num_clients = {self.partition.num_clients})",
+            )
 
 
 # ---------------------------------------------------------------------------

@@ -113,3 +113,24 @@ def test_local_beats_fedavg_on_non_iid_synthetic_data():
     local, _ = run_tiny(**quickstart_like, **{"algorithm.name": "local"})
     fedavg, _ = run_tiny(**quickstart_like)
     assert local.final["acc_mean"] > fedavg.final["acc_mean"] + 0.1
+
+
+def test_coldstart_clients_never_train_and_are_scored_separately():
+    result, engine = run_tiny(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 2,
+                                 "data.params.num_devices": 5, "partition.num_clients": 5})
+    ctx = engine.ctx
+    assert len(ctx.coldstart_clients) == 1 and ctx.coldstart_clients[0] not in ctx.training_clients
+    trained = [row for row in result.client_rows if not row.get("coldstart")]
+    assert len(trained) == 4 and "coldstart_acc_mean" in result.final
+    model_bytes = sum(v.numel() * v.element_size() for v in ctx.server["global"].values())
+    assert result.final["comm_up_bytes"] == 3 * 4 * model_bytes  # only the 4 training clients
+
+
+def test_coldstart_with_zero_epochs_scores_the_global_model():
+    result, engine = run_tiny(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 0,
+                                 "data.params.num_devices": 5, "partition.num_clients": 5})
+    from pfl_core.evaluation import score
+
+    client = engine.ctx.client(engine.ctx.coldstart_clients[0])
+    model = engine.ctx.hooks.personalized_models(ctx=engine.ctx, client=client)[""]
+    assert result.final["coldstart_acc_mean"] == score(model, client.data.test_x, client.data.test_y).accuracy

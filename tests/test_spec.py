@@ -84,6 +84,11 @@ def test_nonsense_values_name_their_key(key, value, path):
     assert spec_error(raw).path == path
 
 
+def test_coldstart_clients_must_leave_someone_to_train():
+    assert spec_error(with_("experiment.coldstart_clients", "4")).path == "experiment.coldstart_clients"
+    assert structure(with_("experiment.coldstart_clients", "3"), Spec).experiment.coldstart_clients == 3
+
+
 def test_public_needs_exactly_one_of_size_and_fraction():
     assert spec_error(with_("public.sampling", '"balanced"')).path == "public.size"
 
