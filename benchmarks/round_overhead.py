@@ -1,31 +1,36 @@
 #!/usr/bin/env python
 """Round overhead of the pfl engine against a plain PyTorch loop (a script, not a test).
 
-For each (N clients, batch size B) it builds a real run context from a spec (npz data of
-random 32x32x3 uint8 images, IID partition, 625 samples per client split into 500 train /
-0 val / 125 test, LeNet-5, FedAvg, SGD lr 0.01, 1 local epoch) and measures:
+For each (N clients, batch size B) it builds a run context through the real code path (a
+spec with npz data of random 32x32x3 uint8 images and labels, IID partition, 500 train /
+0 val / 100 test samples per client, LeNet-5, FedAvg, SGD lr 0.01, 1 local epoch,
+``Engine.prepare()`` and the ``setup`` hook) and measures:
 
-1. ``Engine.run_round(ctx, r)`` (every client takes part) against one centralised epoch of a
-   plain PyTorch loop over the same pooled 500*N training samples, same model, batch size,
-   lr and torch threads, in the same process. Target: round / plain <= 1.10.
+1. ``Engine.run_round(ctx, r)`` with every client taking part, against one centralised
+   epoch of a plain PyTorch loop (``for`` over a randperm, slice, SGD step) over the same
+   pooled 500*N training samples, with a fresh LeNet-5 from ``ctx.models.build``, the same
+   batch size, lr and torch threads, in the same process. Target: round / plain <= 1.10.
 2. ``evaluate_clients(ctx)`` (every client's test split) as a fraction of one round.
    Target: <= 10%.
-3. Peak RSS increase during one round (VmHWM after resetting it through
-   /proc/self/clear_refs) against N model copies, and the tensors left in ``ctx.store`` /
-   ``ctx.server`` after the round. Target: FedAvg holds no model per client: nothing in
-   ctx.store, one model in ctx.server, and the peak increase of a round grows by less than
-   half a model per added client between the smallest and largest N (with one N only: the
-   peak increase stays below N/2 model copies).
+3. Memory: FedAvg must hold no model per client. After the rounds ``ctx.store`` holds no
+   tensor and ``ctx.server`` at most one model; and the peak of live tensor memory during
+   a round (torch.profiler allocation events) grows by less than half a model per added
+   client, between a round of 2 clients and one of all N (and between the smallest and
+   largest N). The peak RSS increase (VmHWM after resetting it through
+   /proc/self/clear_refs) is printed too, for information: glibc's allocator makes it
+   move by several MB from one run to the next.
 
-Engine rounds, plain epochs and evaluations are interleaved within each repeat (the order
-of the engine and the plain loop alternates) so that drift on a noisy machine hits both;
-each figure is the best (minimum) of ``--repeats`` runs after one warm-up of each.
+Warm-up: a round and an evaluation of 2 clients and a plain epoch of 1,000 samples. Then
+``--repeats`` times a round and a plain epoch (their order alternating, so that drift on a
+noisy machine hits both) and an evaluation; each figure is the best (minimum) of the
+repeats, medians are printed beside them.
 
     python benchmarks/round_overhead.py                      # N 20 100, B 10 50, 3 repeats
-    python benchmarks/round_overhead.py --quick              # N 20, B 50 (smoke run)
+    python benchmarks/round_overhead.py --quick              # N 20, B 50 (smoke run, ~20 s)
     python benchmarks/round_overhead.py --clients 20 --batch 10 --repeats 5
 
-Exit status 0 whatever the figures (pass ``--strict`` to exit 1 on a MISS).
+Exit status 0 whatever the figures (``--strict``: 1 when a target is missed). See
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -90,6 +95,41 @@ def _reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def _tensor_peak(fn) -> tuple[int, int] | None:
+    """(peak, net) bytes of CPU tensor memory allocated while ``fn`` runs, or None.
+
+    From the allocation/free events of ``torch.profiler`` (profile_memory=True) summed in
+    time order. Frees of blocks allocated before profiling started are not reported by the
+    profiler, so the figures can only err upwards. The profiler's own console chatter is
+    silenced.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = prof.profiler.kineto_results.events()
+        allocations = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    except Exception:  # a torch without these internals: report n/a
+        return None
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+    live = peak = 0
+    for _, nbytes in allocations:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
 
 
 def _tensors(obj, seen: set[int] | None = None) -> tuple[int, int]:
@@ -214,10 +254,22 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         evaluate_clients(ctx)
         return time.perf_counter() - t0
 
-    # warm-up: one of each
-    time_round()
-    time_plain()
-    time_eval()
+    everyone = list(ctx.training_clients)
+    few = everyone[:FEW]
+
+    def with_clients(clients: list[int], fn):
+        """Run ``fn`` while only ``clients`` take part (ctx.training_clients)."""
+        ctx.training_clients = clients
+        try:
+            return fn()
+        finally:
+            ctx.training_clients = everyone
+
+    # warm-up (same shapes and code paths, a fraction of the cost): a round and an
+    # evaluation of FEW clients, a plain epoch over FEW clients' worth of samples
+    with_clients(few, time_round)
+    evaluate_clients(ctx, client_ids=few)
+    plain_epoch(*fresh_plain(), x[: FEW * TRAIN_PER_CLIENT], y[: FEW * TRAIN_PER_CLIENT], batch_size, generator)
 
     rounds, plains, evals = [], [], []
     for i in range(repeats):
@@ -229,14 +281,20 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
             rounds.append(time_round())
         evals.append(time_eval())
 
-    # memory: peak RSS increase during a round of FEW clients and of all N clients (same
-    # context, so same data and allocator state); a model kept per client would add about
-    # (N - FEW) model copies to the second. Best (lowest) of 2 of each, alternated.
-    everyone = list(ctx.training_clients)
-
-    def peak_round(clients: list[int]) -> tuple[int | None, int | None]:
+    # memory 1 (the target): peak of live tensor bytes allocated during a round of FEW
+    # clients and of all N, from the profiler's allocation events (exact, deterministic).
+    # A model kept per client (or per upload) would add (N - FEW) model copies to the second.
+    def tensor_peak() -> tuple[int, int] | None:
         nonlocal rnd
-        ctx.training_clients = clients
+        rnd += 1
+        return _tensor_peak(lambda: engine.run_round(ctx, rnd))
+
+    tpeak_few = with_clients(few, tensor_peak)
+    tpeak_all = tensor_peak()
+
+    # memory 2 (for information): peak RSS increase of one round of FEW and of all N clients
+    def rss_round() -> tuple[int | None, int | None]:
+        nonlocal rnd
         gc.collect()
         _trim()
         before = _status_kb("VmRSS")
@@ -247,23 +305,13 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         gc.collect()
         _trim()
         after = _status_kb("VmRSS")
-        ctx.training_clients = everyone
         if before is None or after is None:
             return None, None
         return (hwm - before if ok and hwm is not None else None), after - before
 
-    few = everyone[:FEW]
-    peaks_few, peaks_all, kept = [], [], []
-    for _ in range(2):
-        p, _k = peak_round(few)
-        peaks_few.append(p)
-        p, k = peak_round(everyone)
-        peaks_all.append(p)
-        kept.append(k)
-    if os.environ.get("RO_DEBUG"): print("peaks", peaks_few, peaks_all, kept)
-    peak_few = None if None in peaks_few else min(peaks_few)
-    peak_kb = None if None in peaks_all else min(peaks_all)
-    retained_kb = None if None in kept else kept[-1]
+    rss_few, _ = with_clients(few, rss_round)
+    rss_all, kept = rss_round()
+
     store_n, store_b = _tensors([ctx.store[i] for i in ctx.store])
     server_n, server_b = _tensors(ctx.server)
     model_bytes = sum(v.numel() * v.element_size() for v in ctx.models.working(arch).state_dict().values())
@@ -284,9 +332,12 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         "ratio": min(rounds) / min(plains),
         "ratio_med": statistics.median(r / p for r, p in zip(rounds, plains)),
         "eval_frac": min(evals) / min(rounds),
-        "peak_kb": peak_kb,
-        "peak_few_kb": peak_few,
-        "retained_kb": retained_kb,
+        "tpeak_few": None if tpeak_few is None else tpeak_few[0],
+        "tpeak_all": None if tpeak_all is None else tpeak_all[0],
+        "tnet_all": None if tpeak_all is None else tpeak_all[1],
+        "rss_few_kb": rss_few,
+        "rss_all_kb": rss_all,
+        "kept_kb": kept,
         "model_bytes": model_bytes,
         "model_tensors": model_tensors,
         "store_tensors": store_n,
@@ -304,28 +355,36 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def _mb(value, scale=1 / 2**20, sign="") -> str:
+    return "n/a" if value is None else f"{value * scale:{sign}.2f}"
+
+
 def report(results: list[dict]) -> bool:
-    mb = 1 / 1024  # kB -> MB
     print()
-    print(f"{'N':>4} {'B':>3} {'steps':>6} | {'round s':>7} {'(med)':>7} | {'plain s':>7} {'(med)':>7} | "
-          f"{'ratio':>5} {'(med)':>5} | {'eval s':>6} {'eval/rnd':>8} | {'peak MB':>7} {f'({FEW} cl.)':>7} "
-          f"{'kept MB':>7} {'N*model':>7} | {'store':>5} {'server':>11}")
-    print("-" * 132)
+    print(f"{'N':>4} {'B':>3} {'steps':>5} | {'round s':>7} {'(med)':>7} | {'plain s':>7} {'(med)':>7} | "
+          f"{'ratio':>5} {'(med)':>5} | {'eval s':>6} {'eval/rd':>7} | {'tensor peak MB':>14} | "
+          f"{'RSS peak MB':>11} {'kept':>5} | {'N*model':>7} | {'store':>5} {'server':>11}")
+    print(f"{'':>4} {'':>3} {'':>5} | {'':>7} {'':>7} | {'':>7} {'':>7} | {'':>5} {'':>5} | {'':>6} {'':>7} | "
+          f"{f'{FEW} cl.':>6} {'N cl.':>7} | {f'{FEW} cl.':>5} {'N cl.':>5} {'MB':>5} | {'MB':>7} | "
+          f"{'tens.':>5} {'tens. (kB)':>11}")
+    print("-" * 148)
     for r in results:
-        peak = "n/a" if r["peak_kb"] is None else f"{r['peak_kb'] * mb:.1f}"
-        few = "n/a" if r["peak_few_kb"] is None else f"{r['peak_few_kb'] * mb:.1f}"
-        kept = "n/a" if r["retained_kb"] is None else f"{r['retained_kb'] * mb:+.1f}"
-        print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>6} | {r['round_best']:>7.3f} {r['round_med']:>7.3f} | "
+        print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>5} | {r['round_best']:>7.3f} {r['round_med']:>7.3f} | "
               f"{r['plain_best']:>7.3f} {r['plain_med']:>7.3f} | {r['ratio']:>5.3f} {r['ratio_med']:>5.3f} | "
-              f"{r['eval_best']:>6.3f} {r['eval_frac'] * 100:>7.1f}% | {peak:>7} {few:>7} {kept:>7} "
-              f"{r['N'] * r['model_bytes'] / 2**20:>7.2f} | {r['store_tensors']:>5} "
-              f"{r['server_tensors']:>3} ({r['server_bytes'] / 1024:.0f} kB)")
+              f"{r['eval_best']:>6.3f} {r['eval_frac'] * 100:>6.1f}% | "
+              f"{_mb(r['tpeak_few']):>6} {_mb(r['tpeak_all']):>7} | "
+              f"{_mb(r['rss_few_kb'], 1 / 1024):>5} {_mb(r['rss_all_kb'], 1 / 1024):>5} "
+              f"{_mb(r['kept_kb'], 1 / 1024, '+'):>5} | {r['N'] * r['model_bytes'] / 2**20:>7.2f} | "
+              f"{r['store_tensors']:>5} {r['server_tensors']:>3} ({r['server_bytes'] / 1024:>4.0f})")
     print()
-    print("times in seconds, best of the repeats (med: median); ratio: best round / best plain epoch "
-          "(med: median of the paired ratios)")
-    print(f"peak MB: VmHWM during a round of all N clients (and of {FEW} clients) minus VmRSS before it, heap trimmed "
-          "first; kept MB: VmRSS after the round minus before; N*model: N copies of the model, MB")
-    print("store: tensors in ctx.store (all clients) after the round; server: tensors in ctx.server (distinct bytes)")
+    print("steps: optimizer steps per round (= per plain epoch); times in seconds, best of the repeats, (med): median;")
+    print("ratio: best round / best plain epoch, (med): median of the paired ratios; eval/rd: best evaluation / best round")
+    print(f"tensor peak: most CPU tensor memory live at once during a round of {FEW} clients / of all N clients beyond "
+          "what was live before (torch.profiler allocation events)")
+    print(f"RSS peak: VmHWM during a round of {FEW} / N clients minus VmRSS before (heap trimmed first; allocator noise "
+          "of several MB, information only); kept: VmRSS after the N-client round minus before")
+    print("N*model: N copies of the model's state; store / server: tensors held in ctx.store (all clients) / "
+          "ctx.server after the rounds")
 
     all_ok = True
     print()
@@ -334,39 +393,35 @@ def report(results: list[dict]) -> bool:
         tag = f"N={r['N']:<3} B={r['B']:<3}"
         ok1 = r["ratio"] <= RATIO_TARGET
         ok2 = r["eval_frac"] <= EVAL_TARGET
-        print(f"  {tag} round / plain epoch   {r['ratio']:.3f} <= {RATIO_TARGET:.2f}   {verdict(ok1)}")
-        print(f"  {tag} eval / round          {r['eval_frac'] * 100:5.1f}% <= {EVAL_TARGET * 100:.0f}%   {verdict(ok2)}")
+        print(f"  {tag} round / plain epoch        {r['ratio']:6.3f}  <= {RATIO_TARGET:.2f}   {verdict(ok1)}")
+        print(f"  {tag} evaluation / round        {r['eval_frac'] * 100:5.1f}%  <= {EVAL_TARGET * 100:.0f}%    {verdict(ok2)}")
         all_ok &= ok1 and ok2
-
-    # memory
     for r in results:
         tag = f"N={r['N']:<3} B={r['B']:<3}"
-        ok = r["store_tensors"] == 0 and r["server_bytes"] <= r["model_bytes"]
-        print(f"  {tag} state after round: {r['store_tensors']} tensors in ctx.store, "
-              f"{r['server_bytes'] / r['model_bytes']:.2f} model(s) in ctx.server (<= 1)   {verdict(ok)}")
+        model = r["model_bytes"]
+        ok = r["store_tensors"] == 0 and r["server_bytes"] <= model
+        print(f"  {tag} held after a round: {r['store_tensors']} tensors in ctx.store, "
+              f"{r['server_bytes'] / model:.2f} model in ctx.server (<= 1)   {verdict(ok)}")
         all_ok &= ok
-    for r in results:
-        tag = f"N={r['N']:<3} B={r['B']:<3}"
-        if r["peak_kb"] is None or r["peak_few_kb"] is None:
-            print(f"  {tag} peak RSS: not measurable here (/proc/self/clear_refs unavailable)   n/a")
+        if r["tpeak_all"] is None or r["tpeak_few"] is None:
+            print(f"  {tag} tensor peak: not measurable with this torch   n/a")
             continue
-        model_kb = r["model_bytes"] / 1024
-        per_client = (r["peak_kb"] - r["peak_few_kb"]) / (r["N"] - FEW) / model_kb
+        per_client = (r["tpeak_all"] - r["tpeak_few"]) / (r["N"] - FEW) / model
         ok = per_client < PER_CLIENT_GROWTH_LIMIT
-        print(f"  {tag} peak RSS of a round, {FEW} -> {r['N']} clients: {r['peak_few_kb'] / 1024:.1f} -> "
-              f"{r['peak_kb'] / 1024:.1f} MB = {per_client:+.3f} model copies per added client "
-              f"(< {PER_CLIENT_GROWTH_LIMIT})   {verdict(ok)}")
+        print(f"  {tag} tensor peak of a round {FEW} -> {r['N']} clients: {_mb(r['tpeak_few'])} -> "
+              f"{_mb(r['tpeak_all'])} MB = {per_client:+.3f} model per added client (< {PER_CLIENT_GROWTH_LIMIT})"
+              f"   {verdict(ok)}")
         all_ok &= ok
     ns = sorted({r["N"] for r in results})
     if len(ns) > 1:
         for b in sorted({r["B"] for r in results}):
-            rows = {r["N"]: r for r in results if r["B"] == b and r["peak_kb"] is not None}
+            rows = {r["N"]: r for r in results if r["B"] == b and r["tpeak_all"] is not None}
             lo, hi = rows.get(ns[0]), rows.get(ns[-1])
             if lo and hi:
-                per_client = (hi["peak_kb"] - lo["peak_kb"]) / (hi["N"] - lo["N"]) / (lo["model_bytes"] / 1024)
+                per_client = (hi["tpeak_all"] - lo["tpeak_all"]) / (hi["N"] - lo["N"]) / lo["model_bytes"]
                 ok = per_client < PER_CLIENT_GROWTH_LIMIT
-                print(f"  B={b:<3}     peak RSS of a round, N={lo['N']} -> N={hi['N']}: {lo['peak_kb'] / 1024:.1f} -> "
-                      f"{hi['peak_kb'] / 1024:.1f} MB = {per_client:+.3f} model copies per added client "
+                print(f"  B={b:<3}       tensor peak of a round N={lo['N']} -> N={hi['N']}: {_mb(lo['tpeak_all'])} -> "
+                      f"{_mb(hi['tpeak_all'])} MB = {per_client:+.3f} model per added client "
                       f"(< {PER_CLIENT_GROWTH_LIMIT})   {verdict(ok)}")
                 all_ok &= ok
     return all_ok

@@ -81,7 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_main(argv[1:], prog="pfl run")
     args = parser.parse_args(argv)
     if args.command == "plugins":
-        return plugins_main()
+        try:
+            return plugins_main()
+        except BrokenPipeError:  # `pfl plugins | head`
+            sys.stderr.close()
+            return 0
     return EXIT_USAGE
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import registry, seeding
 from .errors import SpecError
+from .payload import nbytes
 from .spec import Spec
 from .training import make_optimizer, reset_optimizer, run_epochs
 
@@ -83,8 +84,16 @@ class ModelBank:
         self._initial: dict[str, dict[str, torch.Tensor]] = {}
         self._working: dict[str, nn.Module] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._paths: dict[str, str] = {}  # the spec key that first named each architecture
         for i, arch in enumerate(self.client_archs):
-            self.plugin(arch, f"{path}[{i}]" if path != "model.name" else path)
+            self._paths.setdefault(arch, f"{path}[{i}]" if path != "model.name" else path)
+            self.plugin(arch, self._paths[arch])
+
+    def check_builds(self) -> None:
+        """Build each client architecture once for this data's input shape (dry runs):
+        a model that cannot take these inputs fails here, naming its spec key."""
+        for arch, path in self._paths.items():
+            self._construct(arch, path)
 
     def plugin(self, arch: str, path: str = "model.name"):
         if arch not in self._plugins:
@@ -200,6 +209,7 @@ class RunContext:
         self.round = 0
         self.round_metrics: dict[str, float] = {}
         self.participants: list[int] = []
+        self.train_losses: list[float] = []  # this round's participants' mean training losses
         # Clients that take part in federated training (all of them unless a plugin holds
         # some out, e.g. cold-start clients that only personalise at the end).
         self.training_clients: list[int] = list(range(len(data.clients)))
@@ -225,6 +235,12 @@ class RunContext:
 
     def generator(self, purpose: str) -> torch.Generator:
         return seeding.torch_generator(self.spec.experiment.seed, purpose, self.round)
+
+    def broadcast(self, client_id: int) -> dict:
+        """The server's message to one client (``on_broadcast``), its bytes counted down."""
+        message = self.hooks.on_broadcast(ctx=self, client_id=client_id)
+        self.comm_down += nbytes(message)
+        return message
 
     def seed_for(self, purpose: str, client_id: int = seeding.SERVER) -> int:
         return seeding.derive_seed(self.spec.experiment.seed, purpose, self.round, client_id)

@@ -54,7 +54,7 @@ class CoreDefaults:
     def coldstart_personalize(self, ctx, client):
         """Fine-tune what the method would send a newcomer (the final global model for
         weight-sharing methods) on the newcomer's own data."""
-        message = ctx.hooks.on_broadcast(ctx=ctx, client_id=client.id)
+        message = ctx.broadcast(client.id)
         ctx.hooks.on_receive(ctx=ctx, client=client, message=message)
         client.train(epochs=ctx.spec.experiment.coldstart_epochs)
         return {"": client.model}

@@ -122,11 +122,12 @@ class Engine:
     def _run_client(self, ctx: RunContext, client_id: int) -> tuple[int, dict]:
         hooks = ctx.hooks
         torch.manual_seed(ctx.seed_for("client", client_id))  # dropout etc.: order-independent
-        message = hooks.on_broadcast(ctx=ctx, client_id=client_id)
-        ctx.comm_down += nbytes(message)
+        message = ctx.broadcast(client_id)
         client = ctx.client(client_id)
         hooks.on_receive(ctx=ctx, client=client, message=message)
-        hooks.local_train(ctx=ctx, client=client)
+        train_metrics = hooks.local_train(ctx=ctx, client=client)
+        if train_metrics and "train_loss" in train_metrics:
+            ctx.train_losses.append(train_metrics["train_loss"])
         upload = hooks.client_upload(ctx=ctx, client=client)
         ctx.comm_up += nbytes(upload)
         return client_id, upload
@@ -136,12 +137,15 @@ class Engine:
         ctx.round = round
         participants = list(hooks.select_clients(ctx=ctx, round=round))
         ctx.participants = participants
+        ctx.train_losses = []
         hooks.on_round_start(ctx=ctx, round=round, participants=participants)
         weights = hooks.client_weighting(ctx=ctx, participants=participants)
         uploads: Iterator = ctx.executor.map(lambda i: self._run_client(ctx, i), participants)
         hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=weights)
         for _ in uploads:  # clients the aggregate did not consume still train
             pass
+        if ctx.train_losses:
+            ctx.round_metrics["train_loss_mean"] = sum(ctx.train_losses) / len(ctx.train_losses)
         for extra in hooks.on_round_end(ctx=ctx, round=round):
             if extra:
                 ctx.round_metrics.update(extra)
@@ -196,7 +200,7 @@ class Engine:
             coldstart, coldstart_rows = self._evaluate_coldstart(ctx)
             final.update(coldstart)
             self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
-            rows = rows + [{**row, "coldstart": True} for row in coldstart_rows]
+            rows = [{**row, "coldstart": False} for row in rows] + [{**row, "coldstart": True} for row in coldstart_rows]
         self._log_results(history, rows)
         final.pop("round", None)
         return RunResult(history=history, client_rows=rows, final=final)

@@ -35,7 +35,5 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 def unknown_name(path: str, kind: str, name: str, choices: Iterable[str]) -> SpecError:
     choices = sorted(choices)
-    return SpecError(
-        path,
-        f"unknown {kind} '{name}'{did_you_mean(name, choices)}; available: {', '.join(choices)}",
-    )
+    available = ", ".join(choices) or "none installed"
+    return SpecError(path, f"unknown {kind} '{name}'{did_you_mean(name, choices)}; available: {available}")

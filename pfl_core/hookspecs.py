@@ -71,7 +71,9 @@ class Hooks:
     def local_train(self, ctx, client):
         """The client's local update. Default: ``training.local_epochs`` epochs of the
         configured optimiser on the client's train split, each batch's loss the sum of all
-        ``local_objective`` terms. Return a dict of metrics or None."""
+        ``local_objective`` terms. Return a dict of metrics (``train_loss`` is averaged over
+        participants and logged as ``train_loss_mean``), possibly empty, never None: None
+        means "not handled" to pluggy, and the default would train the client again."""
 
     @hookspec
     def local_objective(self, ctx, client, model, x, y, logits):

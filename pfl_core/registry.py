@@ -96,6 +96,7 @@ def _discover() -> dict[str, Discovered]:
 def refresh() -> None:
     """Forget cached discovery (after installing a package in the same process)."""
     _discover.cache_clear()
+    plugin_class.cache_clear()
 
 
 def discovered() -> dict[str, Discovered]:
@@ -125,9 +126,14 @@ def resolve(kind: str, name: str, path: str) -> type:
         raise unknown_name(path, kind, name, names_of_kind(kind))
     cls = plugin_class(name)
     if cls.kind != kind:
-        raise SpecError(path, f"'{name}' is a {cls.kind} plugin, not a {kind}; available: "
-                        f"{', '.join(names_of_kind(kind))}")
+        available = ", ".join(names_of_kind(kind)) or "none installed"
+        raise SpecError(path, f"'{name}' is {_article(cls.kind)} {cls.kind} plugin, not {_article(kind)} {kind}; "
+                              f"available: {available}")
     return cls
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def instantiate(kind: str, name: str, params: dict, name_path: str, params_path: str) -> Plugin:

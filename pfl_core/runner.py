@@ -39,6 +39,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         overrides = [*overrides, "tracking.enabled=false"]
     points = resolve_points(load_toml(path), overrides)
     if dry_run:
+        import torch
+
+        from .context import ModelBank
         from .data.federated import build_federated_data
 
         for settings, resolved in points:
@@ -46,6 +49,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 print(f"# sweep point: {settings}", file=out)
             print(resolved.toml(), file=out)
             data = build_federated_data(resolved.spec)
+            ModelBank(resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
             sizes = [c.num_train for c in data.clients]
             public = f", public set {len(data.public.indices)}" if data.public is not None else ""
             print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
@@ -65,7 +69,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
 
 
 def _fmt(value) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:  # byte counts
         return str(int(value))
     if isinstance(value, float):
         return f"{value:.4f}"
@@ -90,6 +94,9 @@ def print_client_table(result: RunResult, name: str, out) -> None:
     summary = "  ".join(f"{k} {_fmt(final[k])}" for k in ("acc_mean", "acc_std", "acc_p10", "loss_mean") if k in final)
     comm = f"up {final.get('comm_up_bytes', 0) / 1e6:.2f} MB, down {final.get('comm_down_bytes', 0) / 1e6:.2f} MB"
     print(f"-- {summary}  ({comm})", file=out)
+    coldstart = "  ".join(f"{k} {_fmt(final[k])}" for k in ("coldstart_acc_mean", "coldstart_acc_std") if k in final)
+    if coldstart:
+        print(f"-- cold-start clients: {coldstart}", file=out)
     if result.run_id:
         print(f"-- MLflow run {result.run_id}", file=out)
 

@@ -289,7 +289,8 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
         known = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         extra = sorted(exc.extra_fields)[0]
         hint = did_you_mean(extra, known)
-        return path + [extra], f"unknown key{hint}; valid keys here: {', '.join(known)}"
+        valid = f"valid keys here: {', '.join(known)}" if known else "this table takes no keys"
+        return path + [extra], f"unknown key{hint}; {valid}"
     if isinstance(exc, FieldError):
         return path + [exc.name], exc.message
     if isinstance(exc, KeyError):
@@ -360,6 +361,8 @@ def set_dotted(raw: dict, dotted: str, value: Any) -> None:
             node = node[int(part)]
             continue
         if part not in node or node[part] is None:
+            if parts[i + 1].isdigit():
+                raise SpecError(".".join(parts[: i + 1]), f"has no list item {parts[i + 1]} to set")
             node[part] = {}
         elif not isinstance(node[part], (dict, list)):
             raise SpecError(".".join(parts[: i + 1]), "is a value, not a table")

@@ -15,12 +15,14 @@ from .errors import PflError
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists become JSON. Same keys for every method."""
     out: dict[str, str] = {}
-    if isinstance(data, dict):
+    if isinstance(data, dict) and data:
         for key, value in data.items():
             out.update(flatten(value, f"{prefix}{key}."))
         return out
     key = prefix[:-1]
-    if isinstance(data, (list, tuple)):
+    if isinstance(data, dict):  # an empty table still gets its param, so every run has it
+        out[key] = "{}"
+    elif isinstance(data, (list, tuple)):
         out[key] = json.dumps(data)
     elif data is None:
         out[key] = "none"

@@ -125,3 +125,14 @@ def test_console_script_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     line = one_line_error(proc.stderr)
     assert line.startswith("pfl-run: error: partition.params.alpha")
+
+
+def test_dry_run_builds_the_models_for_the_data(tmp_path, capsys):
+    spec = write_spec(tmp_path, tiny_raw(**{"model.name": "lenet5", "model.params": {}}))
+    code, _, err = run_cli(capsys, spec, "--dry-run")
+    assert code == 2 and one_line_error(err).startswith("pfl-run: error: model.name: lenet5 needs image inputs")
+
+
+def test_set_into_a_missing_list_is_a_clear_error(tmp_path, capsys):
+    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--set", "addons.0.params.x=1", "--dry-run")
+    assert code == 2 and "addons: has no list item 0" in one_line_error(err)

@@ -141,12 +141,10 @@ class FederatedData:
             "public": None if self.public is None else [int(i) for i in self.public.indices],
         }
 
-    def pooled_train(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All clients' training tensors concatenated in client order (x, y)."""
-        return (
-            torch.cat([c.train_x for c in self.clients]),
-            torch.cat([c.train_y for c in self.clients]),
-        )
+    def pooled_train(self, client_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training tensors of ``client_ids`` (default: all) concatenated in order (x, y)."""
+        chosen = self.clients if client_ids is None else [self.clients[i] for i in client_ids]
+        return torch.cat([c.train_x for c in chosen]), torch.cat([c.train_y for c in chosen])
 
 
 # ---------------------------------------------------------------------------

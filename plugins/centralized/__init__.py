@@ -30,7 +30,7 @@ class Centralized(Plugin):
     @hookimpl
     def setup(self, ctx):
         ctx.server["global"] = clone_state(ctx.models.initial_state(ctx.models.arch_of(0)))
-        ctx.server["pooled_x"], ctx.server["pooled_y"] = ctx.data.pooled_train()
+        ctx.server["pooled_x"], ctx.server["pooled_y"] = ctx.data.pooled_train(ctx.training_clients)
 
     @hookimpl
     def select_clients(self, ctx, round):
