@@ -125,10 +125,13 @@ class ModelBank:
                 self._initial[arch] = clone_state(self._construct(arch))
         return self._initial[arch]
 
-    def working(self, arch: str) -> nn.Module:
-        if arch not in self._working:
-            self._working[arch] = self.build(arch)
-        return self._working[arch]
+    def working(self, arch: str, slot: str = "client") -> nn.Module:
+        """The reusable module of ``arch``; another ``slot`` (e.g. "server") is another module,
+        so a server model and a client model of the same architecture can coexist."""
+        key = arch if slot == "client" else f"{arch}#{slot}"
+        if key not in self._working:
+            self._working[key] = self.build(arch)
+        return self._working[key]
 
     def working_optimizer(self, arch: str, training) -> torch.optim.Optimizer:
         if arch not in self._optimizers:
