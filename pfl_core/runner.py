@@ -28,7 +28,8 @@ def resolve_points(raw: dict, overrides: list[str]) -> list[tuple[dict[str, Any]
 
 def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
     base = resolved.spec.tracking.run_name or resolved.spec.algorithm.name
-    extras = [f"{k.split('.')[-1]}={v}" for k, v in settings.items() if k != "algorithm.name"]
+    # A sweep over algorithm.name or over whole [algorithm] tables is named by the algorithm.
+    extras = [f"{k.split('.')[-1]}={v}" for k, v in settings.items() if k not in ("algorithm.name", "algorithm")]
     return " ".join([base, *extras])
 
 
