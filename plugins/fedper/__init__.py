@@ -1,0 +1,108 @@
+"""FedPer: Arivazhagan et al., "Federated Learning with Personalization Layers", 2019, Alg. 1.
+
+The model is base layers W_B (shared) followed by personalization layers W_P (kept on the
+client). Each round:
+
+    server: sends W_B to the participants                          (Alg. 1, server)
+    client j: W_B, W_Pj <- E epochs of SGD on both, jointly         (Alg. 1, client)
+              uploads W_B only
+    server: W_B <- sum_j n_j / n W_Bj (FedAvg on the base)          (Alg. 1, server)
+
+The personalized model of client j is W_B (the current global base) + W_Pj (its own layers;
+the seeded initial ones until it first trains).
+
+``head_layers``: how many of the last parameterised layers are personal (the paper varies
+K_P from 1 to 4; default 1, the classifier, as for FedRep's head). Layers are counted with
+``pfl_core.models.layers`` (a BatchNorm is its own layer).
+"""
+
+from __future__ import annotations
+
+from attrs import define, field
+
+from pfl_core import Plugin, SpecError, hookimpl
+from pfl_core.aggregate import weighted_average
+from pfl_core.context import clone_state, load_state
+from pfl_core.spec import at_least
+from pfl_core.models.layers import parameterised_layers, split_at
+from plugins.fedavg import require_single_architecture
+
+
+@define
+class FedPerParams:
+    head_layers: int = field(default=1, validator=at_least(1))
+
+
+def body_head_keys(ctx, arch: str, head_layers: int, spec_path: str) -> tuple[list[str], list[str]]:
+    """(body keys, head keys) of ``arch`` in state_dict order; the head is the last layers."""
+    model = ctx.models.working(arch)
+    n = len(parameterised_layers(model))
+    if head_layers >= n:
+        raise SpecError(f"{spec_path}.params.head_layers",
+                        f"must leave at least one shared layer: {arch} has {n} parameterised layers")
+    _, head = split_at(model, -head_layers)
+    keys = list(model.state_dict())
+    return [k for k in keys if k not in head], [k for k in keys if k in head]
+
+
+class FedPer(Plugin):
+    name = "fedper"
+    Params = FedPerParams
+
+    @hookimpl
+    def check_spec(self, spec):
+        require_single_architecture(spec, self.name)  # the base is averaged
+
+    @hookimpl
+    def setup(self, ctx):
+        arch = ctx.models.arch_of(ctx.training_clients[0])
+        body, head = body_head_keys(ctx, arch, self.params.head_layers, self.spec_path)
+        initial = ctx.models.initial_state(arch)
+        ctx.server["body_keys"], ctx.server["head_keys"] = body, head
+        ctx.server["body"] = {k: initial[k].clone() for k in body}
+
+    def load_personal(self, ctx, client):
+        """Global body + the client's own head (seeded initial head before it first trains)."""
+        load_state(client.model, ctx.server["body"])
+        head = client.state.get("head") or {k: v for k, v in ctx.models.initial_state(client.arch).items()
+                                             if k in ctx.server["head_keys"]}
+        return load_state(client.model, head)
+
+    @hookimpl
+    def on_broadcast(self, ctx, client_id):
+        return {"body": ctx.server["body"]}
+
+    @hookimpl
+    def on_receive(self, ctx, client, message):
+        self.load_personal(ctx, client)
+        load_state(client.model, message["body"])
+        return True
+
+    @hookimpl
+    def local_train(self, ctx, client):
+        metrics = client.train()  # W_B and W_P together, training.local_epochs epochs
+        self.keep_head(ctx, client)
+        return metrics
+
+    def keep_head(self, ctx, client):
+        state = client.model.state_dict()
+        client.state["head"] = {k: state[k].detach().clone() for k in ctx.server["head_keys"]}
+
+    @hookimpl
+    def client_upload(self, ctx, client):
+        state = client.model.state_dict()
+        return {"body": {k: state[k] for k in ctx.server["body_keys"]}}
+
+    @hookimpl
+    def server_aggregate(self, ctx, uploads, weights):
+        averaged = weighted_average((weights[i], message["body"]) for i, message in uploads)
+        if averaged is not None:
+            ctx.server["body"] = averaged
+        return True
+
+    @hookimpl
+    def personalized_models(self, ctx, client):
+        return {"": self.load_personal(ctx, client)}
+
+
+__all__ = ["FedPer", "FedPerParams", "body_head_keys"]

@@ -1,0 +1,283 @@
+"""FedSimSup: Li et al., "Federated learning by considering data Similarity across clients
+assisted by a local Supervisor" (seeds/fedsimsup.txt), Algorithm 1; METHODS.md, FedSimSup.
+
+Client i holds an inter-learning model theta_i (uploaded) and a supervisor s_i (never
+leaves the client, any architecture). The prediction is the sum of the two logits (Eq. 3)
+and the objective is the cross-entropy of that sum.
+
+    setup: every client sends its label-proportion vector p_i once; the server computes
+           s_ij = cos(p_i, p_j) and keeps one theta_i per client             (Sec. 3.3)
+    each round t: N(t) = max(1, round(r n)) clients, K = |N(t)|             (engine: select_clients)
+      participant i: theta_i^{t,0} <- server's theta_i                     (Alg. 1 line 7)
+        tau_s epochs of SGD on s_i, theta_i frozen                          (Eq. 11)
+        tau_theta epochs of SGD on theta_i, s_i frozen                      (Eq. 12)
+        upload theta_i; keep s_i
+      server: participants: theta_i <- their upload, unchanged              (Eq. 6)
+        non-participant i:
+          theta_i <- (1 - a_i) theta_i + a_i sum_{j in N(t)} s_ij / sum_j s_ij theta_j   (Eq. 7)
+          a_i = lambda_i beta_t                                             (Eq. 8)
+          lambda_i = sum_{j in N} m_j / (sum_{j in N} m_j + K m_i)           (Eq. 9)
+          beta_t = 1 if t < C T^gamma else (C T^gamma / t)^2                (Eq. 10)
+
+Decisions where paper and METHODS.md are silent (also in docs/reproductions/5-fedsimsup.md):
+
+- r is the core's ``experiment.participation`` (seeded per round); its spec default is 1.0,
+  with which nobody is ever mixed and FedSimSup is local training of the summed model. The
+  paper's r = 0.1 is set in the specs.
+- tau_s = tau_theta = 1: the paper's training details (appendix 7.3) are not in the seed
+  text; one epoch per phase keeps the local work equal to the baselines' one epoch per model.
+  Both phases use ``training.lr`` and ``training.optimizer``.
+- Default supervisor: ``lenet5`` with ``width = 0.4``: 9,722 parameters against the
+  inter-learning LeNet-5's 62,006 on 3x32x32 / 10 classes, a ratio of 0.157 (about 1/6.4;
+  width 0.41 gives 0.180). Widths are rounded per layer, so 1/6 exactly is not reachable.
+- TCL: ``supervisor_pool`` lists architectures; each client draws one with a seeded RNG
+  (seed, "supervisor_arch", client). pfl's zoo has no transformer, so TCL here mixes what
+  the zoo has (e.g. lenet5, cnn4, mlp).
+- Every supervisor of one architecture starts from the same seeded weights
+  (seed, "init:supervisor:<arch>"), like the inter-learning models.
+- If sum_j s_ij = 0 (no shared labels with any participant) the weights fall back to data
+  sizes m_j / sum m_j. ``weighting = "data_size"`` always uses those ("direct model average as
+  in FedAvg", the paper's Fig. 3 ablation); ``"uniform"`` uses 1/K.
+- Label proportions (train split) are read by the server in ``setup``, as the paper collects
+  them "at the beginning of the entire task". The engine only counts bytes that go through a
+  participant's upload, so each client's vector is attached to (and counted in) its first
+  upload; a client that never participates has its vector used but never counted.
+- Evaluation: client i is scored with the server's current theta_i (the one it would receive
+  next, mixed if it sat out) plus its own supervisor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from attrs import define, field
+from torch import nn
+
+from pfl_core import Plugin, hookimpl, registry, seeding
+from pfl_core.context import clone_state, load_state
+from pfl_core.spec import at_least, between, finite, greater_than, one_of
+from plugins.fedavg import require_single_architecture
+
+SUPERVISOR_WIDTH = 0.4  # LeNet-5 at width 0.4: 9,722 / 62,006 = 0.157 of the inter-learning model
+
+
+@define
+class FedSimSupParams:
+    tau_s: int = field(default=1, validator=at_least(0))  # supervisor epochs (Eq. 11)
+    tau_theta: int = field(default=1, validator=at_least(0))  # inter-learning epochs (Eq. 12)
+    C: float = field(default=40.0, validator=[finite, greater_than(0)])  # Eq. 10
+    gamma: float = field(default=3 / 7, validator=[finite, between(0, 1, low_open=True)])  # Eq. 10
+    weighting: str = field(default="similarity", validator=one_of("similarity", "data_size", "uniform"))
+    supervisor: str = "lenet5"  # every client's supervisor architecture (a model plugin)
+    supervisor_pool: list[str] = field(factory=list)  # TCL: each client draws one of these
+    supervisor_arch_params: dict[str, dict[str, Any]] = field(
+        factory=lambda: {"lenet5": {"width": SUPERVISOR_WIDTH}})
+
+
+# -- the paper's equations, as plain functions ------------------------------------------
+
+
+def cosine_similarity(proportions: np.ndarray) -> np.ndarray:
+    """s_ij = <p_i, p_j> / (|p_i| |p_j|) for the rows of ``proportions`` (Sec. 3.3)."""
+    p = np.asarray(proportions, dtype=np.float64)
+    norms = np.linalg.norm(p, axis=1)
+    norms[norms == 0] = 1.0
+    unit = p / norms[:, None]
+    return unit @ unit.T
+
+
+def beta_schedule(t: int, T: int, C: float, gamma: float) -> float:
+    """beta_t = 1 if t < C T^gamma else (C T^gamma / t)^2 (Eq. 10)."""
+    boundary = C * T**gamma
+    return 1.0 if t < boundary else (boundary / t) ** 2
+
+
+def lambdas(sizes, participants, clients) -> dict[int, float]:
+    """lambda_i = sum_{j in N} m_j / (sum_{j in N} m_j + K m_i) for each i in ``clients`` (Eq. 9)."""
+    total = float(sum(sizes[j] for j in participants))
+    k = len(participants)
+    return {i: total / (total + k * float(sizes[i])) for i in clients}
+
+
+def mixing_weights(i, participants, similarity, sizes, weighting="similarity") -> dict[int, float]:
+    """The weights of the participants' models in non-participant i's mix (Eq. 7)."""
+    if weighting == "uniform":
+        return {j: 1.0 / len(participants) for j in participants}
+    if weighting == "similarity":
+        total = float(sum(similarity[i][j] for j in participants))
+        if total > 0:
+            return {j: float(similarity[i][j]) / total for j in participants}
+    total = float(sum(sizes[j] for j in participants))  # data_size, or no similar participant
+    return {j: float(sizes[j]) / total for j in participants}
+
+
+def mix_non_participants(thetas, participants, similarity, sizes, beta, weighting="similarity"):
+    """Eq. 7 in place on ``thetas`` ({client: state}); participants are left as they are.
+
+    Returns {client: a_i} for the mixed clients."""
+    if not participants:
+        return {}
+    others = [i for i in thetas if i not in set(participants)]
+    lam = lambdas(sizes, participants, others)
+    alphas = {}
+    for i in others:
+        a = lam[i] * beta
+        w = mixing_weights(i, participants, similarity, sizes, weighting)
+        new = {}
+        for key, own in thetas[i].items():
+            if not own.is_floating_point():
+                new[key] = own
+                continue
+            mix = sum(w[j] * thetas[j][key] for j in participants)
+            new[key] = (1 - a) * own + a * mix
+        thetas[i] = new
+        alphas[i] = a
+    return alphas
+
+
+# -- the summed model ----------------------------------------------------------------------
+
+
+class Summed(nn.Module):
+    """logits(theta, x) + logits(s, x) (Eq. 3)."""
+
+    def __init__(self, inter: nn.Module, supervisor: nn.Module):
+        super().__init__()
+        self.inter = inter
+        self.supervisor = supervisor
+
+    def forward(self, x):
+        return self.inter(x) + self.supervisor(x)
+
+
+def supervisor_arch(ctx, client_id: int) -> str:
+    pool = ctx.params.supervisor_pool
+    if not pool:
+        return ctx.params.supervisor
+    rng = seeding.numpy_rng(ctx.spec.experiment.seed, "supervisor_arch", 0, client_id)
+    return pool[int(rng.integers(len(pool)))]
+
+
+def supervisor_plugin(params, arch: str, spec_path: str):
+    key = f"{spec_path}.params.supervisor"
+    if params.supervisor_pool:
+        key = f"{spec_path}.params.supervisor_pool[{params.supervisor_pool.index(arch)}]"
+    plugin = registry.instantiate(registry.MODEL, arch, params.supervisor_arch_params.get(arch, {}), key,
+                                  f"{spec_path}.params.supervisor_arch_params.{arch}")
+    plugin.name_path = key
+    return plugin
+
+
+def build_supervisor(ctx, arch: str, spec_path: str) -> nn.Module:
+    """A supervisor of ``arch`` with the run's seeded initial supervisor weights."""
+    plugin = supervisor_plugin(ctx.params, arch, spec_path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seeding.derive_seed(ctx.spec.experiment.seed, f"init:supervisor:{arch}"))
+        return plugin.build(ctx.models.input_shape, ctx.num_classes).to(ctx.device)
+
+
+class FedSimSup(Plugin):
+    name = "fedsimsup"
+    Params = FedSimSupParams
+
+    @hookimpl
+    def check_spec(self, spec):
+        require_single_architecture(spec, self.name)  # Eq. 7 averages inter-learning models
+        for arch in self.params.supervisor_pool or [self.params.supervisor]:
+            supervisor_plugin(self.params, arch, self.spec_path)  # unknown name: SpecError at its key
+
+    @hookimpl
+    def setup(self, ctx):
+        clients = ctx.training_clients
+        arch = ctx.models.arch_of(clients[0])
+        m = {i: ctx.data.clients[i].num_train for i in clients}
+        counts = np.stack([ctx.data.clients[i].label_counts("train", ctx.num_classes) for i in clients])
+        proportions = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+        sim = cosine_similarity(proportions)
+        ctx.server["theta"] = {i: clone_state(ctx.models.initial_state(arch)) for i in clients}
+        ctx.server["similarity"] = {i: {j: float(sim[a, b]) for b, j in enumerate(clients)}
+                                    for a, i in enumerate(clients)}
+        ctx.server["sizes"] = m
+        ctx.server["proportions"] = {i: proportions[a] for a, i in enumerate(clients)}
+        ctx.server["proportions_sent"] = set()
+        for a in {supervisor_arch(ctx, i) for i in clients}:
+            build_supervisor(ctx, a, self.spec_path)  # fails early if it cannot take this data
+
+    def _supervisor(self, ctx, client) -> nn.Module:
+        module = build_supervisor(ctx, supervisor_arch(ctx, client.id), self.spec_path)
+        if "supervisor" in client.state:
+            load_state(module, client.state["supervisor"])
+        return module
+
+    @hookimpl
+    def on_broadcast(self, ctx, client_id):
+        return {"theta": ctx.server["theta"][client_id]}  # Alg. 1 line 7
+
+    @hookimpl
+    def on_receive(self, ctx, client, message):
+        load_state(client.model, message["theta"])
+        client.scratch["supervisor"] = self._supervisor(ctx, client)  # s_i^{t,0} <- s_i^{t-1,tau_s}
+        return True
+
+    @hookimpl
+    def local_train(self, ctx, client):
+        theta, sup = client.model, client.scratch["supervisor"]
+        model = Summed(theta, sup)
+        metrics = {}
+        theta.requires_grad_(False)  # Eq. 11: tau_s epochs on s_i, theta_i frozen
+        try:
+            if self.params.tau_s:
+                metrics = client.train(model=model, epochs=self.params.tau_s,
+                                       optimizer=client.optimizer(params=sup.parameters()))
+        finally:
+            theta.requires_grad_(True)
+        sup.requires_grad_(False)  # Eq. 12: tau_theta epochs on theta_i, s_i frozen
+        if self.params.tau_theta:
+            metrics = client.train(model=model, epochs=self.params.tau_theta,
+                                   optimizer=client.optimizer(params=theta.parameters()))
+        client.state["supervisor"] = clone_state(sup)  # kept locally, never uploaded
+        return metrics
+
+    @hookimpl
+    def client_upload(self, ctx, client):
+        upload = {"theta": client.model.state_dict()}
+        if client.id not in ctx.server["proportions_sent"]:  # sent once (counted in the first upload)
+            upload["label_proportions"] = torch.as_tensor(ctx.server["proportions"][client.id],
+                                                          dtype=torch.float32)
+        return upload
+
+    @hookimpl
+    def server_aggregate(self, ctx, uploads, weights):
+        thetas = ctx.server["theta"]
+        participants = []
+        for j, message in uploads:
+            thetas[j] = clone_state(message["theta"])  # Eq. 6: kept as uploaded
+            if "label_proportions" in message:
+                ctx.server["proportions_sent"].add(j)
+            participants.append(j)
+        p = self.params
+        beta = beta_schedule(ctx.round, ctx.spec.experiment.rounds, p.C, p.gamma)
+        alphas = mix_non_participants(thetas, participants, ctx.server["similarity"], ctx.server["sizes"],
+                                      beta, p.weighting)
+        ctx.log(beta=beta)
+        if alphas:
+            ctx.log(alpha_mean=float(np.mean(list(alphas.values()))))
+        return True
+
+    @hookimpl
+    def personalized_models(self, ctx, client):
+        load_state(client.model, ctx.server["theta"][client.id])
+        return {"": Summed(client.model, self._supervisor(ctx, client))}
+
+
+def supervisor_ratio(ctx) -> float:
+    """Supervisor parameters / inter-learning model parameters (client 0)."""
+    sup = build_supervisor(ctx, supervisor_arch(ctx, 0), "algorithm")
+    count = lambda m: sum(q.numel() for q in m.parameters())  # noqa: E731
+    return count(sup) / count(ctx.models.working(ctx.models.arch_of(0)))
+
+
+__all__ = ["FedSimSup", "FedSimSupParams", "beta_schedule", "cosine_similarity", "lambdas",
+           "mix_non_participants", "mixing_weights", "supervisor_ratio", "Summed"]
