@@ -1,0 +1,49 @@
+"""FedCT: federated co-training (Abourayya et al., AAAI 2025), the base of FedMosaic.
+
+Clients share hard predictions on the public unlabeled set U; the server's consensus is a
+plain majority vote (ties: lowest class index); each client trains on
+CE(private batch) + lambda * CE(public batch, consensus labels) with lambda fixed.
+
+Implemented as a configuration of FedMosaic (one code path): ``expertise = "uniform"`` (no
+expertise is sent; up = |U| ceil(log2 C) bits per client and round) and
+``fixed_lambda = lambda_`` (default 1). ``tests/test_fedmosaic.py`` checks that FedCT gives
+bit-identical personal weights to FedMosaic with ``fixed_lambda = 1, expertise = "uniform"``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, field
+
+from pfl_core.spec import at_least, finite
+from plugins.fedmosaic import FedMosaic
+
+
+@define
+class FedCTParams:
+    fixed_lambda: float = field(default=1.0, validator=[finite, at_least(0)])
+    comm_period: Optional[int] = field(default=None, validator=at_least(1))
+    public_batch_size: Optional[int] = field(default=None, validator=at_least(1))
+
+    # What FedMosaic reads, fixed for FedCT (not spec keys).
+    @property
+    def expertise(self) -> str:
+        return "uniform"
+
+    @property
+    def lambda_mode(self) -> str:
+        return "batch"
+
+    @property
+    def expertise_bits(self) -> int:
+        return 8
+
+    @property
+    def eps(self) -> float:
+        return 1e-6
+
+
+class FedCT(FedMosaic):
+    name = "fedct"
+    Params = FedCTParams

@@ -1,0 +1,137 @@
+"""Privacy add-ons for co-training uploads (FedMosaic paper, "Client-Level Privacy").
+
+Both are pluggy hook wrappers around ``client_upload`` (``@hookimpl(wrapper=True)``): they
+perturb what the algorithm uploads, whatever the algorithm, before the engine counts it and
+the server sees it. Each logs its per-round epsilon, and both add it to ``eps_round``, the
+summed per-round epsilon of the paper's (eps_L + eps_E, delta)-DP statement.
+
+GaussianExpertise (``gaussian_expertise``): the Gaussian mechanism on the expertise vector.
+  Each client adds N(0, sigma^2) to every E_i[j] (after dequantising the 8-bit codes), clips
+  to the known range [0, c] and re-quantises (both post-processing). Reported per round:
+      eps_E = c * sqrt(|U|) / sigma * sqrt(2 ln(1.25 / delta)),
+  c = 1 for class-frequency ("W") and log C for entropy ("U") expertise (the L2 sensitivity of
+  E_i is c sqrt(|U|)). Logged as ``eps_E``. Needs an algorithm that uploads "expertise"
+  (fedmosaic with expertise W or U): checked at setup, naming the key.
+  Note: the classical Gaussian-mechanism bound is proven for eps <= 1; larger values are
+  reported by the same formula, as the paper does.
+
+LabelMechanism (``label_mechanism``): k-ary randomised response on the hard labels (a
+  documented substitute for the paper's XOR mechanism, whose sensitivity bound s* needs the
+  stability analysis of Abourayya et al. 2025). Each label is kept with probability
+  e^eps_label / (e^eps_label + C - 1) and otherwise replaced by one of the C - 1 other
+  classes uniformly: eps_label-DP for one label. A change of one private training example
+  can change up to ``sensitivity`` of the client's |U| predictions (None: all |U|, the worst
+  case without a stability assumption), so by composition over the changed labels
+      eps_L = sensitivity * eps_label        (per client and round).
+  Logged as ``eps_L``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from attrs import define, field
+
+from pfl_core import ADDON, Plugin, SpecError, hookimpl
+from pfl_core.payload import Packed
+from pfl_core.spec import at_least, between, finite, greater_than
+
+
+def gaussian_epsilon(sigma: float, delta: float, num_public: int, bound: float) -> float:
+    """eps_E = c sqrt(|U|) / sigma * sqrt(2 ln(1.25 / delta))."""
+    return bound * math.sqrt(num_public) / sigma * math.sqrt(2 * math.log(1.25 / delta))
+
+
+def keep_probability(eps_label: float, num_classes: int) -> float:
+    """k-ary randomised response: P(report the true label) = e^eps / (e^eps + C - 1)."""
+    return math.exp(eps_label) / (math.exp(eps_label) + num_classes - 1)
+
+
+def randomised_response(labels: torch.Tensor, eps_label: float, num_classes: int, generator) -> torch.Tensor:
+    keep = torch.rand(labels.shape, generator=generator, dtype=torch.float64) < keep_probability(eps_label, num_classes)
+    # another class uniformly: shift by 1..C-1
+    shift = torch.randint(1, num_classes, labels.shape, generator=generator)
+    other = (labels.long() + shift) % num_classes
+    return torch.where(keep, labels.long(), other).to(labels.dtype)
+
+
+def _add_epsilon(ctx, name: str, value: float) -> None:
+    ctx.round_metrics[name] = value
+    ctx.round_metrics["eps_round"] = ctx.round_metrics.get("eps_round", 0.0) + value
+
+
+@define
+class GaussianExpertiseParams:
+    sigma: float = field(default=1.0, validator=[finite, greater_than(0)])
+    delta: float = field(default=1e-5, validator=between(0, 1, low_open=True, high_open=True))
+
+
+class GaussianExpertise(Plugin):
+    name = "gaussian_expertise"
+    kind = ADDON
+    Params = GaussianExpertiseParams
+
+    def _bound(self, ctx) -> float:
+        from plugins.fedmosaic import expertise_bound
+
+        return expertise_bound(ctx.params.expertise, ctx.num_classes)
+
+    @hookimpl
+    def setup(self, ctx):
+        if getattr(ctx.params, "expertise", None) not in ("W", "U"):
+            raise SpecError(f"{self.spec_path}.name",
+                            f"{self.name} perturbs expertise scores, but algorithm "
+                            f"'{ctx.spec.algorithm.name}' uploads none (use fedmosaic with expertise W or U)")
+
+    @hookimpl
+    def on_round_start(self, ctx, round, participants):
+        if participants:
+            p = self.params
+            _add_epsilon(ctx, "eps_E", gaussian_epsilon(p.sigma, p.delta, len(ctx.data.public), self._bound(ctx)))
+
+    @hookimpl(wrapper=True)
+    def client_upload(self, ctx, client):
+        from plugins.fedmosaic import dequantise, quantise
+
+        upload = yield
+        packed = upload["expertise"]
+        bits, bound = packed.bits, self._bound(ctx)
+        values = dequantise(packed.value, bound, bits)
+        noise = torch.randn(values.shape, generator=client.generator("gaussian_expertise"), dtype=torch.float64)
+        noisy = quantise(values + self.params.sigma * noise, bound, bits)
+        return {**upload, "expertise": Packed(noisy, bits)}
+
+
+@define
+class LabelMechanismParams:
+    eps_label: float = field(default=2.0, validator=[finite, greater_than(0)])
+    # Labels one private example can change (the paper's s*); None: all of U (worst case).
+    sensitivity: Optional[int] = field(default=None, validator=at_least(1))
+
+
+class LabelMechanism(Plugin):
+    name = "label_mechanism"
+    kind = ADDON
+    Params = LabelMechanismParams
+
+    @hookimpl
+    def check_spec(self, spec):
+        if spec.public is None:
+            raise SpecError("public", f"{self.name} perturbs labels on a public set: add a [public] table")
+
+    @hookimpl
+    def on_round_start(self, ctx, round, participants):
+        if participants:
+            p = self.params
+            s = p.sensitivity if p.sensitivity is not None else len(ctx.data.public)
+            _add_epsilon(ctx, "eps_L", s * p.eps_label)
+
+    @hookimpl(wrapper=True)
+    def client_upload(self, ctx, client):
+        upload = yield
+        packed = upload["labels"]
+        noisy = randomised_response(packed.value, self.params.eps_label, ctx.num_classes,
+                                    client.generator("label_mechanism"))
+        return {**upload, "labels": Packed(noisy, packed.bits)}
