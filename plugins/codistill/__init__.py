@@ -38,15 +38,25 @@ class CodistillParams:
     distill_batch_size: int = field(default=64, validator=at_least(1))
 
 
-def predict(model: torch.nn.Module, x: torch.Tensor, temperature: float, batch_size: int = 1024) -> torch.Tensor:
-    """Soft predictions softmax(model(x) / T), in eval mode, without gradients."""
+def require_public(spec, method: str) -> None:
+    if spec.public is None:
+        raise SpecError("public", f"{method} needs a public unlabeled set U: add a [public] table "
+                                  "(public.size or public.fraction)")
+
+
+@torch.no_grad()
+def predict_logits(model, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    """model(x) in eval mode, batched, without gradients."""
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        out = torch.cat([F.softmax(model(x[s : s + batch_size]) / temperature, dim=1)
-                         for s in range(0, len(x), batch_size)])
+    out = torch.cat([model(x[s : s + batch_size]) for s in range(0, len(x), batch_size)])
     model.train(was_training)
     return out
+
+
+def predict(model: torch.nn.Module, x: torch.Tensor, temperature: float, batch_size: int = 1024) -> torch.Tensor:
+    """Soft predictions softmax(model(x) / T)."""
+    return F.softmax(predict_logits(model, x, batch_size) / temperature, dim=1)
 
 
 def kl_to_target(logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -79,8 +89,7 @@ class PublicPredictionMethod(Plugin):
 
     @hookimpl
     def check_spec(self, spec):
-        if spec.public is None:
-            raise SpecError("public", f"{self.name} needs a public set U: add a [public] section (size or fraction)")
+        require_public(spec, self.name)
 
     # -- server -> client -------------------------------------------------------------
 

@@ -32,7 +32,6 @@ Decisions where the paper is silent (also in docs/reproductions/3-fedmosaic.md):
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -41,9 +40,9 @@ from attrs import define, field
 
 from pfl_core import Plugin, SpecError, hookimpl
 from pfl_core.context import clone_state
-from pfl_core.payload import Packed
+from pfl_core.payload import Packed, bits_for_classes
 from pfl_core.spec import at_least, one_of
-from plugins.fedmosaic import predict_logits, require_public
+from plugins.codistill import predict_logits, require_public
 from plugins.local import load_personal
 
 
@@ -55,10 +54,6 @@ class FedMDParams:
     revisit_epochs: int = field(default=1, validator=at_least(0))
     alignment_size: Optional[int] = field(default=None, validator=at_least(1))
     distill_loss: str = field(default="l1", validator=one_of("l1", "mse"))
-
-
-def index_bits(n: int) -> int:
-    return max(1, math.ceil(math.log2(n)))
 
 
 class FedMD(Plugin):
@@ -89,7 +84,7 @@ class FedMD(Plugin):
     @hookimpl
     def on_broadcast(self, ctx, client_id):
         message = {}
-        bits = index_bits(len(ctx.data.public))
+        bits = bits_for_classes(len(ctx.data.public))
         if ctx.server.get("consensus") is not None:
             message["consensus"] = ctx.server["consensus"]
             if ctx.server.get("consensus_idx") is not None:

@@ -68,9 +68,11 @@ from attrs import define, field
 
 from pfl_core import Plugin, SpecError, hookimpl
 from pfl_core.context import clone_state
+from pfl_core.evaluation import score
 from pfl_core.payload import Packed, bits_for_classes
 from pfl_core.spec import at_least, between, finite, greater_than, one_of
 from pfl_core.training import batch_order
+from plugins.codistill import predict_logits, require_public
 from plugins.local import load_personal
 
 EXPERTISE_MODES = ("W", "U", "uniform")
@@ -160,29 +162,8 @@ def consensus(votes, num_public: int, num_classes: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-def require_public(spec, method: str) -> None:
-    if spec.public is None:
-        raise SpecError("public", f"{method} needs a public unlabeled set U: add a [public] table "
-                                  "(public.size or public.fraction)")
-
-
-@torch.no_grad()
-def predict_logits(model, x: torch.Tensor, batch_size: int) -> torch.Tensor:
-    was_training = model.training
-    model.eval()
-    out = torch.cat([model(x[s : s + batch_size]) for s in range(0, len(x), batch_size)])
-    model.train(was_training)
-    return out
-
-
-@torch.no_grad()
 def mean_loss(model, x, y, batch_size: int) -> float:
-    was_training = model.training
-    model.eval()
-    total = sum(float(F.cross_entropy(model(x[s : s + batch_size]), y[s : s + batch_size], reduction="sum"))
-                for s in range(0, len(y), batch_size))
-    model.train(was_training)
-    return total / max(len(y), 1)
+    return score(model, x, y, batch_size).loss if len(y) else 0.0
 
 
 class FedMosaic(Plugin):
