@@ -1,0 +1,57 @@
+"""FedAlt: Pillutla et al., "Federated Learning with Partial Model Personalization", ICML 2022
+(Algorithm 1 with alternating updates).
+
+Shared parameters u (the base, layers 1..k), personal parameters v_i (the head, layers
+k+1..L); k = ``split`` (default: the middle, L // 2).
+
+    each round t, each participant i:
+        receive u_t; v_i kept on the client (seeded initial weights before its first round)
+        v_i <- personal_epochs epochs of SGD on v with u = u_t fixed       (personal first)
+        u_i <- tau epochs of SGD on u with v = v_i fixed                  (then shared)
+        upload u_i
+    u_{t+1} <- sum_i n_i/n u_i
+
+tau is ``training.local_epochs``; ``personal_epochs`` defaults to 1 (the paper runs one
+local epoch for each part). Cold-start clients (never trained) personalise as in the paper's
+evaluation of new clients: the personal part is *reconstructed* by training v alone for
+``experiment.coldstart_epochs`` with the final u fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from attrs import define, field
+
+from pfl_core import hookimpl
+from pfl_core.spec import at_least
+from plugins.partial import PartialModel, only_training
+
+
+@define
+class FedAltParams:
+    split: Optional[int] = field(default=None)
+    personal_epochs: int = field(default=1, validator=at_least(0))
+
+
+class FedAlt(PartialModel):
+    name = "fedalt"
+    Params = FedAltParams
+    shared_part = "base"
+
+    def train_part(self, ctx, client, keys, epochs):
+        with only_training(client.model, set(keys)) as params:
+            return client.train(epochs=epochs, optimizer=client.optimizer(params=params))
+
+    @hookimpl
+    def local_train(self, ctx, client):
+        self.train_part(ctx, client, self.personal_keys(ctx, client.arch), self.params.personal_epochs)
+        metrics = self.train_part(ctx, client, self.shared_keys(ctx, client.arch), ctx.spec.training.local_epochs)
+        self.keep_personal(ctx, client)
+        return metrics
+
+    @hookimpl
+    def coldstart_personalize(self, ctx, client):
+        self.on_receive(ctx, client, ctx.broadcast(client.id))
+        self.train_part(ctx, client, self.personal_keys(ctx, client.arch), ctx.spec.experiment.coldstart_epochs)
+        return {"": client.model}

@@ -1,0 +1,25 @@
+"""LG-FedAvg: Liang et al., "Think Locally, Act Globally: Federated Learning with Local and
+Global Representations", 2020 (Algorithm 1).
+
+The opposite split from FedAlt/FedSim: each client keeps its *local representation* (the
+base, layers 1..k) and only the *global* head (layers k+1..L) is shared and averaged;
+k = ``split`` (default: the middle, L // 2).
+
+    each round t, each participant i:
+        (theta_i^l, theta^g) <- (own base, received head theta^g_t)
+        tau local epochs of SGD on the whole model
+        upload theta^g_i
+    theta^g_{t+1} <- sum_i n_i/n theta^g_i
+
+A cold-start client receives the global head, starts its base from the seeded initial weights
+and trains the whole model for ``experiment.coldstart_epochs`` (the core default).
+"""
+
+from __future__ import annotations
+
+from plugins.partial import PartialModel
+
+
+class LGFedAvg(PartialModel):
+    name = "lgfedavg"
+    shared_part = "head"

@@ -1,0 +1,118 @@
+"""The partial-model baselines of the pMixFed comparison: FedAlt, FedSim, FedBABU, LG-FedAvg."""
+
+import functools
+
+import pytest
+import torch
+
+from pfl_core.cli import run_main
+from pfl_core.engine import resolve
+from pfl_core.errors import SpecError
+from pfl_core.models.layers import layer_keys
+from tiny import run_tiny, tiny_raw
+
+# layers fc1, fc2, fc3 (middle split k = 1); small data, 2 rounds: fast on a loaded machine
+DEEP = {"model.params.hidden": [16, 16], "data.params.samples_per_device": 60, "experiment.rounds": 2}
+
+
+def state_bytes(state, keys):
+    return sum(state[k].numel() * state[k].element_size() for k in keys)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return functools.lru_cache(maxsize=None)(lambda name: run_tiny(**DEEP, **{"algorithm.name": name}))
+
+
+def keys_of(engine):
+    return layer_keys(engine.ctx.models.working("mlp"))
+
+
+@pytest.mark.parametrize("name, shared", [("fedsim", "base"), ("fedalt", "base"), ("lgfedavg", "head")])
+def test_only_the_shared_part_travels_and_the_rest_stays_personal(name, shared, runs):
+    result, engine = runs(name)
+    layers = keys_of(engine)
+    base, head = layers[0], layers[1] + layers[2]  # split at the middle: L // 2 = 1 base layer
+    sent, kept = (base, head) if shared == "base" else (head, base)
+    glob, init = engine.ctx.server["global"], engine.ctx.models.initial_state("mlp")
+    per_round = 4 * state_bytes(glob, sent)
+    assert result.final["comm_up_bytes"] == 2 * per_round == result.final["comm_down_bytes"]
+    personal = [engine.ctx.store[i]["personal"] for i in range(4)]
+    assert all(set(p) == set(kept) for p in personal)
+    assert any(not torch.equal(personal[0][k], personal[1][k]) for k in kept)  # personal differs
+    assert all(torch.equal(glob[k], init[k]) for k in kept)  # the server never touches it
+    assert any(not torch.equal(glob[k], init[k]) for k in sent)
+
+
+def test_fedalt_updates_the_personal_part_with_the_shared_part_fixed():
+    # no shared epochs: only the personal phase runs, so the shared base never moves
+    _, engine = run_tiny(**DEEP, **{"algorithm.name": "fedalt", "training.local_epochs": 0})
+    layers = keys_of(engine)
+    glob, init = engine.ctx.server["global"], engine.ctx.models.initial_state("mlp")
+    assert all(torch.equal(glob[k], init[k]) for k in layers[0])
+    assert any(not torch.equal(engine.ctx.store[0]["personal"][k], init[k]) for k in layers[2])
+
+
+def test_fedalt_and_fedsim_differ(runs):
+    _, alt = runs("fedalt")
+    _, sim = runs("fedsim")
+    ga, gs = alt.ctx.server["global"], sim.ctx.server["global"]
+    assert any(not torch.equal(ga[k], gs[k]) for k in ga)
+
+
+def test_fedalt_coldstart_reconstructs_only_the_personal_part():
+    result, engine = run_tiny(**DEEP, **{"algorithm.name": "fedalt", "experiment.coldstart_clients": 1})
+    ctx = engine.ctx
+    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=ctx.client(ctx.coldstart_clients[0]))[""]
+    state, base = model.state_dict(), keys_of(engine)[0]
+    assert all(torch.equal(state[k], ctx.server["global"][k]) for k in base)
+    assert "coldstart_acc_mean" in result.final
+
+
+def test_fedbabu_keeps_the_head_at_its_initialisation_and_fine_tunes_at_evaluation():
+    result, engine = run_tiny(**DEEP, **{"algorithm.name": "fedbabu", "experiment.coldstart_clients": 1,
+                                         "algorithm.params.finetune_epochs": 1})
+    layers = keys_of(engine)
+    glob, init = engine.ctx.server["global"], engine.ctx.models.initial_state("mlp")
+    assert all(torch.equal(glob[k], init[k]) for k in layers[2])  # head: split -1
+    assert all(not torch.equal(glob[k], init[k]) for k in layers[0] + layers[1])
+    model_bytes = state_bytes(glob, layers[0] + layers[1])
+    assert result.final["comm_up_bytes"] == 3 * 2 * model_bytes  # 3 training clients, 2 rounds
+    ctx = engine.ctx
+    tuned = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(ctx.training_clients[0]))[""].state_dict()
+    assert any(not torch.equal(tuned[k], init[k]) for k in layers[2])  # fine-tuning moves the head
+    assert all(torch.equal(glob[k], init[k]) for k in layers[2])  # ... but not the global one
+    assert "coldstart_acc_mean" in result.final
+
+
+@pytest.mark.parametrize("name, split", [("fedalt", 3), ("fedsim", 0), ("lgfedavg", -3), ("fedbabu", 5)])
+def test_a_split_outside_the_models_layers_names_the_key(name, split):
+    with pytest.raises(SpecError) as err:
+        resolve(tiny_raw(**DEEP, **{"algorithm.name": name, "algorithm.params.split": split}))
+    assert err.value.path == "algorithm.params.split"
+    assert "outside the model's layers" in err.value.message
+
+
+def test_the_split_is_checked_again_on_the_real_model():
+    from plugins.partial import PartialModel
+    from types import SimpleNamespace
+
+    plugin = PartialModel(PartialModel.Params(split=7))
+    plugin.spec_path = "algorithm"
+    _, engine = run_tiny(**{**DEEP, "experiment.rounds": 1})
+    ctx = SimpleNamespace(server={}, models=engine.ctx.models)
+    with pytest.raises(SpecError) as err:
+        plugin.split_keys(ctx, "mlp")
+    assert err.value.path == "algorithm.params.split"
+
+
+def test_cli_dry_run_exits_2_on_a_bad_split(tmp_path, capsys):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(
+        '[data]\nname = "synthetic"\n[data.params]\nnum_devices = 4\n[partition]\nscheme = "domain"\n'
+        'num_clients = 4\n[model]\nname = "mlp"\n[algorithm]\nname = "fedalt"\n'
+        '[algorithm.params]\nsplit = 9\n'
+    )
+    assert run_main([str(spec), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "algorithm.params.split" in err
