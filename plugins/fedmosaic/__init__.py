@@ -33,7 +33,7 @@ pseudo-labelled U, as plotted in the paper's Appendix B). ``fixed_lambda`` repla
 adaptive weight by a constant (FedCT).
 
 Decisions where the paper and METHODS.md are silent (also in
-docs/reproductions/3-fedmosaic.md):
+docs/reproductions.md):
 
 - ``comm_period`` None (default) = ``training.local_epochs`` epochs of the client's private
   data, i.e. ceil(n_i / batch_size) * local_epochs steps. ``experiment.rounds`` is then the

@@ -29,7 +29,7 @@ their module), in registration order, which is forward order for pfl's zoo.
   takes no part in its broadcast or aggregation, so the deeper layers are learned by the
   clients that have them (renormalised p_i).
 
-Decisions where the resolution is silent (also in docs/reproductions/6-pmixfed.md):
+Decisions where the resolution is silent (also in docs/reproductions.md):
 
 * Defaults b = 0, k = 10 (the paper's values were lost): b = 0 centres the sigmoid where
   local and global are equally accurate (gamma = 0.5 whenever t/T is small); k = 10 lets a
