@@ -79,6 +79,39 @@ def _status_kb(field: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _cpu_snapshot() -> tuple[float, int, int] | None:
+    """(wall time, busy ticks of the whole machine, CPU ticks of this process) or None."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return time.perf_counter(), user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _others_cores(before, after) -> float:
+    """CPU cores used on average by other processes between two snapshots (0 if unknown)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return 0.0
+    ticks = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / (after[0] - before[0]))
+
+
+def _wait_for_quiet(busy_limit: float, max_wait: float) -> float:
+    """Wait (at most ``max_wait`` s) until other processes use <= busy_limit cores for 1 s.
+
+    Returns the seconds waited.
+    """
+    started = time.perf_counter()
+    while time.perf_counter() - started < max_wait:
+        before = _cpu_snapshot()
+        time.sleep(min(1.0, max_wait))
+        if _others_cores(before, _cpu_snapshot()) <= busy_limit:
+            break
+    return time.perf_counter() - started
+
+
 def _trim() -> None:
     """Hand freed heap memory back to the OS (glibc), so that RSS is the live set."""
     try:
@@ -217,7 +250,8 @@ def plain_epoch(model, optimizer, x, y, batch_size: int, generator: torch.Genera
 # One configuration
 
 
-def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_client: int, threads: int) -> dict:
+def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_client: int, threads: int,
+          busy_limit: float, max_attempts: int, max_wait: float) -> dict:
     engine, ctx = prepare(npz, num_clients, batch_size, test_per_client, threads)
     arch = ctx.models.arch_of(0)
     x, y = ctx.data.pooled_train()
@@ -233,26 +267,23 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
 
     rnd = 0
 
-    def time_round() -> float:
+    def timed(fn) -> tuple[float, float]:
+        """(seconds, CPU cores other processes used meanwhile) of one call of ``fn``."""
+        gc.collect()
+        before = _cpu_snapshot()
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        return seconds, _others_cores(before, _cpu_snapshot())
+
+    def one_round():
         nonlocal rnd
         rnd += 1
-        gc.collect()
-        t0 = time.perf_counter()
         engine.run_round(ctx, rnd)
-        return time.perf_counter() - t0
 
-    def time_plain() -> float:
+    def one_plain():
         model, opt = fresh_plain()
-        gc.collect()
-        t0 = time.perf_counter()
         plain_epoch(model, opt, x, y, batch_size, generator)
-        return time.perf_counter() - t0
-
-    def time_eval() -> float:
-        gc.collect()
-        t0 = time.perf_counter()
-        evaluate_clients(ctx)
-        return time.perf_counter() - t0
 
     everyone = list(ctx.training_clients)
     few = everyone[:FEW]
@@ -267,19 +298,35 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
 
     # warm-up (same shapes and code paths, a fraction of the cost): a round and an
     # evaluation of FEW clients, a plain epoch over FEW clients' worth of samples
-    with_clients(few, time_round)
+    with_clients(few, one_round)
     evaluate_clients(ctx, client_ids=few)
     plain_epoch(*fresh_plain(), x[: FEW * TRAIN_PER_CLIENT], y[: FEW * TRAIN_PER_CLIENT], batch_size, generator)
 
-    rounds, plains, evals = [], [], []
-    for i in range(repeats):
-        if i % 2 == 0:
-            rounds.append(time_round())
-            plains.append(time_plain())
+    # timed repeats: a round and a plain epoch (alternating which goes first) and an
+    # evaluation. A repeat during which other processes used more than busy_limit CPU
+    # cores is set aside and tried again (after waiting for a quiet second, at most
+    # max_wait seconds in all per configuration), up to max_attempts repeats in all; if
+    # too few are clean, the least disturbed set-aside ones are used too.
+    clean: list[tuple] = []
+    noisy: list[tuple] = []
+    attempts = 0
+    wait_left = max_wait
+    while len(clean) < repeats and attempts < max_attempts:
+        wait_left -= _wait_for_quiet(busy_limit, max(0.0, wait_left))
+        if attempts % 2 == 0:
+            rd = timed(one_round)
+            pl = timed(one_plain)
         else:
-            plains.append(time_plain())
-            rounds.append(time_round())
-        evals.append(time_eval())
+            pl = timed(one_plain)
+            rd = timed(one_round)
+        ev = timed(lambda: evaluate_clients(ctx))
+        attempts += 1
+        (clean if max(rd[1], pl[1], ev[1]) <= busy_limit else noisy).append((rd, pl, ev))
+    used = clean + sorted(noisy, key=lambda t: max(t[0][1], t[1][1], t[2][1]))[: repeats - len(clean)]
+    rounds = [u[0][0] for u in used]
+    plains = [u[1][0] for u in used]
+    evals = [u[2][0] for u in used]
+    busiest = max(max(u[0][1], u[1][1], u[2][1]) for u in used)
 
     # memory 1 (the target): peak of live tensor bytes allocated during a round of FEW
     # clients and of all N, from the profiler's allocation events (exact, deterministic).
@@ -331,6 +378,10 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         "eval_med": statistics.median(evals),
         "ratio": min(rounds) / min(plains),
         "ratio_med": statistics.median(r / p for r, p in zip(rounds, plains)),
+        "rounds": rounds,
+        "clean": len(clean),
+        "attempts": attempts,
+        "busiest": busiest,
         "eval_frac": min(evals) / min(rounds),
         "tpeak_few": None if tpeak_few is None else tpeak_few[0],
         "tpeak_all": None if tpeak_all is None else tpeak_all[0],
@@ -363,11 +414,11 @@ def report(results: list[dict]) -> bool:
     print()
     print(f"{'N':>4} {'B':>3} {'steps':>5} | {'round s':>7} {'(med)':>7} | {'plain s':>7} {'(med)':>7} | "
           f"{'ratio':>5} {'(med)':>5} | {'eval s':>6} {'eval/rd':>7} | {'tensor peak MB':>14} | "
-          f"{'RSS peak MB':>11} {'kept':>5} | {'N*model':>7} | {'store':>5} {'server':>11}")
+          f"{'RSS peak MB':>11} {'kept':>5} | {'N*model':>7} | {'store':>5} {'server':>11} | {'clean':>5}")
     print(f"{'':>4} {'':>3} {'':>5} | {'':>7} {'':>7} | {'':>7} {'':>7} | {'':>5} {'':>5} | {'':>6} {'':>7} | "
           f"{f'{FEW} cl.':>6} {'N cl.':>7} | {f'{FEW} cl.':>5} {'N cl.':>5} {'MB':>5} | {'MB':>7} | "
-          f"{'tens.':>5} {'tens. (kB)':>11}")
-    print("-" * 148)
+          f"{'tens.':>5} {'tens. (kB)':>11} | {'':>5}")
+    print("-" * 156)
     for r in results:
         print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>5} | {r['round_best']:>7.3f} {r['round_med']:>7.3f} | "
               f"{r['plain_best']:>7.3f} {r['plain_med']:>7.3f} | {r['ratio']:>5.3f} {r['ratio_med']:>5.3f} | "
@@ -375,7 +426,8 @@ def report(results: list[dict]) -> bool:
               f"{_mb(r['tpeak_few']):>6} {_mb(r['tpeak_all']):>7} | "
               f"{_mb(r['rss_few_kb'], 1 / 1024):>5} {_mb(r['rss_all_kb'], 1 / 1024):>5} "
               f"{_mb(r['kept_kb'], 1 / 1024, '+'):>5} | {r['N'] * r['model_bytes'] / 2**20:>7.2f} | "
-              f"{r['store_tensors']:>5} {r['server_tensors']:>3} ({r['server_bytes'] / 1024:>4.0f})")
+              f"{r['store_tensors']:>5} {r['server_tensors']:>3} ({r['server_bytes'] / 1024:>4.0f}) | "
+              f"{r['clean']:>2}/{r['attempts']:<2}")
     print()
     print("steps: optimizer steps per round (= per plain epoch); times in seconds, best of the repeats, (med): median;")
     print("ratio: best round / best plain epoch, (med): median of the paired ratios; eval/rd: best evaluation / best round")
@@ -385,12 +437,16 @@ def report(results: list[dict]) -> bool:
           "of several MB, information only); kept: VmRSS after the N-client round minus before")
     print("N*model: N copies of the model's state; store / server: tensors held in ctx.store (all clients) / "
           "ctx.server after the rounds")
+    print("clean: timed repeats during which other processes used <= --busy-limit CPU cores / repeats tried")
 
     all_ok = True
     print()
     print("Targets")
     for r in results:
         tag = f"N={r['N']:<3} B={r['B']:<3}"
+        if r["clean"] < len(r["rounds"]):
+            print(f"  {tag} (timings disturbed: only {r['clean']} of {r['attempts']} repeats ran with other processes "
+                  f"below the busy limit; up to {r['busiest']:.2f} CPU cores were in use elsewhere)")
         ok1 = r["ratio"] <= RATIO_TARGET
         ok2 = r["eval_frac"] <= EVAL_TARGET
         print(f"  {tag} round / plain epoch        {r['ratio']:6.3f}  <= {RATIO_TARGET:.2f}   {verdict(ok1)}")
@@ -444,6 +500,12 @@ def main(argv=None) -> int:
                         help=f"test samples per client (default {TEST_PER_CLIENT}, 20%% of the 500 train)")
     parser.add_argument("--threads", type=int, default=0,
                         help="executor.threads for the run (and so the plain loop); 0: torch's default")
+    parser.add_argument("--busy-limit", type=float, default=0.1,
+                        help="a repeat during which other processes used more CPU cores than this is retried")
+    parser.add_argument("--max-attempts", type=int, default=0,
+                        help="repeats tried at most per configuration (default 3 x --repeats)")
+    parser.add_argument("--max-wait", type=float, default=120.0,
+                        help="seconds per configuration to wait in all for other processes to quieten (default 120)")
     parser.add_argument("--quick", action="store_true", help="N=20, B=50 only (smoke run)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
     args = parser.parse_args(argv)
@@ -451,6 +513,7 @@ def main(argv=None) -> int:
         args.clients, args.batch = [20], [50]
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    args.max_attempts = max(args.max_attempts or 3 * args.repeats, args.repeats)
     if args.test_per_client < 1 or args.threads < 0:
         parser.error("--test-per-client must be >= 1 and --threads >= 0")
 
@@ -460,7 +523,7 @@ def main(argv=None) -> int:
           f"(interop {torch.get_num_interop_threads()}), {platform.machine()}, load average {_loadavg()}")
     print(f"LeNet-5, {IMAGE_SHAPE[2]}x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} inputs, {NUM_CLASSES} classes; per client "
           f"{TRAIN_PER_CLIENT} train / {args.test_per_client} test samples (IID, random uint8 images and labels); "
-          f"FedAvg, 1 local epoch, SGD lr {LR}; best of {args.repeats} interleaved repeats after 1 warm-up")
+          f"FedAvg, 1 local epoch, SGD lr {LR}; best of {args.repeats} clean interleaved repeats after a warm-up")
     results = []
     with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
         for n in args.clients:
@@ -468,10 +531,11 @@ def main(argv=None) -> int:
             write_npz(npz, n, args.test_per_client, seed=n)
             for b in args.batch:
                 t0 = time.perf_counter()
-                r = bench(npz, n, b, args.repeats, args.test_per_client, args.threads)
+                r = bench(npz, n, b, args.repeats, args.test_per_client, args.threads, args.busy_limit,
+                          args.max_attempts, args.max_wait)
                 print(f"  N={n:<3} B={b:<3} done in {time.perf_counter() - t0:.0f}s: round {r['round_best']:.3f}s, "
-                      f"plain {r['plain_best']:.3f}s, ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}% "
-                      f"(load average {_loadavg()})", flush=True)
+                      f"plain {r['plain_best']:.3f}s, ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}%; "
+                      f"{r['clean']} of {r['attempts']} repeats clean (load average {_loadavg()})", flush=True)
                 results.append(r)
             npz.unlink()
     ok = report(results)
