@@ -21,12 +21,13 @@ spec with npz data of random 32x32x3 uint8 images and labels, IID partition, 500
    move by several MB from one run to the next.
 
 Warm-up: a round and an evaluation of 2 clients and a plain epoch of 1,000 samples. Then
-``--repeats`` times a round and a plain epoch (their order alternating, so that drift on a
-noisy machine hits both) and an evaluation; each figure is the best (minimum) of the
-repeats, medians are printed beside them.
+``--repeats`` times a round and a plain epoch back to back (their order alternating) and an
+evaluation. The judged ratios are medians over the repeats of the ratios within a repeat,
+so that slow and fast phases of a shared machine hit both sides; the best and median
+times are printed too. A repeat during which other processes were busy is retried.
 
     python benchmarks/round_overhead.py                      # N 20 100, B 10 50, 3 repeats
-    python benchmarks/round_overhead.py --quick              # N 20, B 50 (smoke run, ~20 s)
+    python benchmarks/round_overhead.py --quick              # N 20, B 50, no retries (a quick check, ~20 s)
     python benchmarks/round_overhead.py --clients 20 --batch 10 --repeats 5
 
 Exit status 0 whatever the figures (``--strict``: 1 when a target is missed). See
@@ -376,16 +377,17 @@ def bench(npz: Path, num_clients: int, batch_size: int, repeats: int, test_per_c
         "plain_med": statistics.median(plains),
         "eval_best": min(evals),
         "eval_med": statistics.median(evals),
-        "ratio": min(rounds) / min(plains),
-        "ratio_med": statistics.median(r / p for r, p in zip(rounds, plains)),
+        # judged: the median over repeats of round / plain epoch run back to back, which
+        # cancels slow and fast phases of the machine that a best-of-each would not
+        "ratio": statistics.median(r / p for r, p in zip(rounds, plains)),
+        "ratio_best": min(rounds) / min(plains),
         "rounds": rounds,
         "clean": len(clean),
         "attempts": attempts,
         "busiest": busiest,
-        "eval_frac": min(evals) / min(rounds),
+        "eval_frac": statistics.median(e / r for e, r in zip(evals, rounds)),
         "tpeak_few": None if tpeak_few is None else tpeak_few[0],
         "tpeak_all": None if tpeak_all is None else tpeak_all[0],
-        "tnet_all": None if tpeak_all is None else tpeak_all[1],
         "rss_few_kb": rss_few,
         "rss_all_kb": rss_all,
         "kept_kb": kept,
@@ -413,7 +415,7 @@ def _mb(value, scale=1 / 2**20, sign="") -> str:
 def report(results: list[dict]) -> bool:
     print()
     print(f"{'N':>4} {'B':>3} {'steps':>5} | {'round s':>7} {'(med)':>7} | {'plain s':>7} {'(med)':>7} | "
-          f"{'ratio':>5} {'(med)':>5} | {'eval s':>6} {'eval/rd':>7} | {'tensor peak MB':>14} | "
+          f"{'ratio':>5} {'(bst)':>5} | {'eval s':>6} {'eval/rd':>7} | {'tensor peak MB':>14} | "
           f"{'RSS peak MB':>11} {'kept':>5} | {'N*model':>7} | {'store':>5} {'server':>11} | {'clean':>5}")
     print(f"{'':>4} {'':>3} {'':>5} | {'':>7} {'':>7} | {'':>7} {'':>7} | {'':>5} {'':>5} | {'':>6} {'':>7} | "
           f"{f'{FEW} cl.':>6} {'N cl.':>7} | {f'{FEW} cl.':>5} {'N cl.':>5} {'MB':>5} | {'MB':>7} | "
@@ -421,7 +423,7 @@ def report(results: list[dict]) -> bool:
     print("-" * 156)
     for r in results:
         print(f"{r['N']:>4} {r['B']:>3} {r['steps']:>5} | {r['round_best']:>7.3f} {r['round_med']:>7.3f} | "
-              f"{r['plain_best']:>7.3f} {r['plain_med']:>7.3f} | {r['ratio']:>5.3f} {r['ratio_med']:>5.3f} | "
+              f"{r['plain_best']:>7.3f} {r['plain_med']:>7.3f} | {r['ratio']:>5.3f} {r['ratio_best']:>5.3f} | "
               f"{r['eval_best']:>6.3f} {r['eval_frac'] * 100:>6.1f}% | "
               f"{_mb(r['tpeak_few']):>6} {_mb(r['tpeak_all']):>7} | "
               f"{_mb(r['rss_few_kb'], 1 / 1024):>5} {_mb(r['rss_all_kb'], 1 / 1024):>5} "
@@ -429,8 +431,9 @@ def report(results: list[dict]) -> bool:
               f"{r['store_tensors']:>5} {r['server_tensors']:>3} ({r['server_bytes'] / 1024:>4.0f}) | "
               f"{r['clean']:>2}/{r['attempts']:<2}")
     print()
-    print("steps: optimizer steps per round (= per plain epoch); times in seconds, best of the repeats, (med): median;")
-    print("ratio: best round / best plain epoch, (med): median of the paired ratios; eval/rd: best evaluation / best round")
+    print("steps: optimizer steps per round (= per plain epoch); times in seconds, best of the repeats, (med): median")
+    print("ratio: median over the repeats of round / plain epoch run back to back, (bst): best round / best plain epoch;")
+    print("eval/rd: median over the repeats of evaluation / round; eval s: best evaluation")
     print(f"tensor peak: most CPU tensor memory live at once during a round of {FEW} clients / of all N clients beyond "
           "what was live before (torch.profiler allocation events)")
     print(f"RSS peak: VmHWM during a round of {FEW} / N clients minus VmRSS before (heap trimmed first; allocator noise "
@@ -495,27 +498,36 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[20, 100], help="numbers of clients (N)")
     parser.add_argument("--batch", type=int, nargs="+", default=[10, 50], help="batch sizes (B)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats after warm-up (best is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats after warm-up (default 3; medians of the ratios are judged)")
     parser.add_argument("--test-per-client", type=int, default=TEST_PER_CLIENT,
                         help=f"test samples per client (default {TEST_PER_CLIENT}, 20%% of the 500 train)")
     parser.add_argument("--threads", type=int, default=0,
                         help="executor.threads for the run (and so the plain loop); 0: torch's default")
     parser.add_argument("--busy-limit", type=float, default=0.1,
                         help="a repeat during which other processes used more CPU cores than this is retried")
-    parser.add_argument("--max-attempts", type=int, default=0,
-                        help="repeats tried at most per configuration (default 3 x --repeats)")
-    parser.add_argument("--max-wait", type=float, default=120.0,
-                        help="seconds per configuration to wait in all for other processes to quieten (default 120)")
-    parser.add_argument("--quick", action="store_true", help="N=20, B=50 only (smoke run)")
+    parser.add_argument("--max-attempts", type=int, default=None,
+                        help="repeats tried at most per configuration (default 3 x --repeats; --quick: --repeats)")
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="seconds per configuration to wait in all for other processes to quieten "
+                             "(default 120; --quick: 0)")
+    parser.add_argument("--quick", action="store_true",
+                        help="N=20, B=50 only, no waiting or retrying on a busy machine (a quick check)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.batch = [20], [50]
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    args.max_attempts = max(args.max_attempts or 3 * args.repeats, args.repeats)
+    if min(args.clients) <= FEW or min(args.batch) < 1:
+        parser.error(f"--clients must be > {FEW} (the memory check compares with a round of {FEW}) "
+                     "and --batch >= 1")
     if args.test_per_client < 1 or args.threads < 0:
         parser.error("--test-per-client must be >= 1 and --threads >= 0")
+    if args.max_attempts is None:
+        args.max_attempts = args.repeats if args.quick else 3 * args.repeats
+    args.max_attempts = max(args.max_attempts, args.repeats)
+    if args.max_wait is None:
+        args.max_wait = 0.0 if args.quick else 120.0
 
     started = time.perf_counter()
     print(f"pfl round overhead: python {platform.python_version()}, torch {torch.__version__}, "
@@ -523,7 +535,7 @@ def main(argv=None) -> int:
           f"(interop {torch.get_num_interop_threads()}), {platform.machine()}, load average {_loadavg()}")
     print(f"LeNet-5, {IMAGE_SHAPE[2]}x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} inputs, {NUM_CLASSES} classes; per client "
           f"{TRAIN_PER_CLIENT} train / {args.test_per_client} test samples (IID, random uint8 images and labels); "
-          f"FedAvg, 1 local epoch, SGD lr {LR}; best of {args.repeats} clean interleaved repeats after a warm-up")
+          f"FedAvg, 1 local epoch, SGD lr {LR}; medians of {args.repeats} clean interleaved repeats after a warm-up")
     results = []
     with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
         for n in args.clients:
@@ -533,8 +545,8 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 r = bench(npz, n, b, args.repeats, args.test_per_client, args.threads, args.busy_limit,
                           args.max_attempts, args.max_wait)
-                print(f"  N={n:<3} B={b:<3} done in {time.perf_counter() - t0:.0f}s: round {r['round_best']:.3f}s, "
-                      f"plain {r['plain_best']:.3f}s, ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}%; "
+                print(f"  N={n:<3} B={b:<3} done in {time.perf_counter() - t0:.0f}s: best round {r['round_best']:.3f}s, "
+                      f"plain {r['plain_best']:.3f}s; ratio {r['ratio']:.3f}, eval {r['eval_frac'] * 100:.1f}%; "
                       f"{r['clean']} of {r['attempts']} repeats clean (load average {_loadavg()})", flush=True)
                 results.append(r)
             npz.unlink()
