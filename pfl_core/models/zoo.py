@@ -188,17 +188,8 @@ class _CNN2Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-class CNN2(_SmallInputCheck, ModelPlugin):
-    """The MNIST CNN of FedAvg (McMahan et al. 2017), also pMixFed's MNIST model.
-
-    conv5x5(32) -> relu -> maxpool2 -> conv5x5(64) -> relu -> maxpool2 -> fc512 -> relu ->
-    fc(C): two convolutional and two fully connected layers (``conv1, conv2, fc1, fc2``).
-    The convolutions are "same"-padded (padding 2), which reproduces the paper's count of
-    1,663,370 parameters for 1x28x28 inputs and 10 classes; other sizes change only the input
-    of ``fc1`` (64 x H/4 x W/4). ``width`` multiplies 32, 64 and 512 (default 1).
-    """
-
-    name = "cnn2"
+class _SmallCNN(_SmallInputCheck, ModelPlugin):
+    """The small CNNs: a ``width`` multiplier, at least 4x4 pixels, then ``network``."""
 
     @define
     class Params:
@@ -209,7 +200,21 @@ class CNN2(_SmallInputCheck, ModelPlugin):
         c, h, w = shape
         if min(h, w) < 4:
             self.too_small(shape, "the CNN needs at least 4x4 pixels")
-        return _CNN2Net(c, h, w, num_classes, self.params.width)
+        return self.network(c, h, w, num_classes, self.params.width)
+
+
+class CNN2(_SmallCNN):
+    """The MNIST CNN of FedAvg (McMahan et al. 2017), also pMixFed's MNIST model.
+
+    conv5x5(32) -> relu -> maxpool2 -> conv5x5(64) -> relu -> maxpool2 -> fc512 -> relu ->
+    fc(C): two convolutional and two fully connected layers (``conv1, conv2, fc1, fc2``).
+    The convolutions are "same"-padded (padding 2), which reproduces the paper's count of
+    1,663,370 parameters for 1x28x28 inputs and 10 classes; other sizes change only the input
+    of ``fc1`` (64 x H/4 x W/4). ``width`` multiplies 32, 64 and 512 (default 1).
+    """
+
+    name = "cnn2"
+    network = _CNN2Net
 
 
 class _CNN4Net(nn.Module):
@@ -230,7 +235,7 @@ class _CNN4Net(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
-class CNN4(_SmallInputCheck, ModelPlugin):
+class CNN4(_SmallCNN):
     """pMixFed's CIFAR CNN: four convolutional layers and one fully connected layer.
 
     conv3x3(32) -> relu -> conv3x3(32) -> relu -> maxpool2 -> conv3x3(64) -> relu ->
@@ -240,17 +245,7 @@ class CNN4(_SmallInputCheck, ModelPlugin):
     """
 
     name = "cnn4"
-
-    @define
-    class Params:
-        width: float = field(**_WIDTH)
-
-    def build(self, input_shape, num_classes):
-        shape = self.check_shape(input_shape, num_classes)
-        c, h, w = shape
-        if min(h, w) < 4:
-            self.too_small(shape, "the CNN needs at least 4x4 pixels")
-        return _CNN4Net(c, h, w, num_classes, self.params.width)
+    network = _CNN4Net
 
 
 # ---------------------------------------------------------------------------
