@@ -1,64 +1,84 @@
 """pMixFed: "pMixFed: Efficient Personalized Federated Learning through Adaptive Layer-Wise
-Mixup" (seeds/pmixfed.txt, Section 5 and Appendix 8). The paper lost its equations in
-extraction; this implements the project's resolution (``METHODS.md``, pMixFed section), an
-*interpretation*, with the decisions below where that resolution is silent.
+Mixup" (seeds/pmixfed.txt, Sections 5.2 and 6.5, Appendix 8.1). The paper lost its equations
+in extraction; this implements the project's *revised* resolution (``METHODS.md``, pMixFed
+section), an interpretation, with the decisions below where that resolution is silent.
 
 Layers l = 1..L, base (input) to head (output): one parameterised module is one layer
 (``pfl_core.models.layers``: a Conv2d, a Linear, a BatchNorm each count once, buffers go with
-their module), in registration order, which is forward order for pfl's zoo.
+their module), in registration order, which is forward order for pfl's zoo. Layer L is the head.
 
-    mix factor      gamma = sigmoid(k * (t/T)^2 * dAcc - b)            (schedule "sigmoid-adaptive")
-    mix degree      mu_l  = clip(1 - (l-1) / ((L-1)(1-gamma)), 0, 1)   mu_1 = 1, mu_L = 0
-    broadcast       local_i,l <- mu_l * global_l + (1 - mu_l) * local_i,l
-    aggregation     global_l <- sum_i p_i [nu_l * global_l(prev) + (1 - nu_l) * local_i,l]
-                    nu_l = gamma_agg * (1 - (l-1)/(L-1)),  p_i = n_i / n
+    mix factor (Eq. 10)   gamma = sigmoid(k * (t/T)^2 * dAcc - b)      schedule "sigmoid-adaptive"
+    broadcast  (App. 8.1.1, Eq. 11-12)
+        mu_l = clip(1 - gamma / (1 - gamma) * (l-1)/(L-1), 0, 1)  for l < L,   mu_L = 0
+        local_i,l <- mu_l * global_l + (1 - mu_l) * local_i,l     for the layers with mu_l > 0
+    upload                the layers with mu_l > 0 and the head (layer L)
+    aggregation (Eq. 13, App. 8.1.2)
+        nu_l = gamma_agg * (1 - (l-1)/(L-1))                      (gamma_agg at the base, 0 at the head)
+        global_l <- sum_i p_i [nu_l * global_l(prev) + (1 - nu_l) * local_i,l],   p_i = n_i / n
 
 * Broadcast (per client i, round t of T): dAcc_i = Acc(local_i) - Acc(global), both on client
   i's *validation* split (never its test split); local_i is the client's model as it left its
-  last round (the seeded initial weights before its first). A larger gamma makes mu fall
-  faster, so more layers reach exactly 0 ("frozen"). A layer with mu_l = 0 is neither sent
-  down nor uploaded (so it is not counted as communication) nor aggregated.
-* Aggregation: dAcc = mean over this round's participants of Acc(previous global) minus the
-  mean of Acc(fresh local model), on their validation splits; gamma_agg from the same sigmoid,
-  the same for all clients; nu_l < 1 always, so the global base keeps learning. The sum over i
-  runs over the clients that uploaded layer l, with p_i renormalised over them.
-* Heterogeneous clients: the global model is the union of the clients' layers; a client layer
-  *matches* the global entry with the same state-dict key and shape (the deepest
+  last round (the seeded initial weights before its first). mu_1 = 1 (the base is always fully
+  shared) and mu_L = 0 (the global head is never sent down, App. 8.1.1). A larger gamma makes
+  mu fall faster from base to head: at gamma = 0.5 it falls linearly and every layer below the
+  head is shared; at gamma = 0.75 every layer past the lower third reaches 0.
+* Frozen layers: a layer l < L with mu_l = 0 is *frozen* this round: it is not broadcast, not
+  uploaded (so not counted as communication) and not aggregated from this client; the client
+  keeps (and still trains) its own copy. The head is not "frozen": it is never sent down but
+  always uploaded.
+* Aggregation: every client uploads its non-frozen layers and its head; dAcc = mean over this
+  round's participants of Acc(previous global) minus the mean of Acc(fresh local model), on
+  their validation splits; gamma_agg from the same sigmoid, one for all clients. nu_L = 0, so
+  the global head is the p-weighted average of the local heads and the global model is a
+  complete, trained model (Acc(global) in dAcc is meaningful, cold-start clients receive a
+  trained head). nu_l < 1 always, so the global base keeps learning. The sum over i runs over
+  the clients that uploaded layer l, with p_i renormalised over them (a layer every
+  participant froze keeps its previous global value).
+* Heterogeneous clients (App. 8.3): the global model is the union of the clients' layers; a
+  client layer *matches* the global entry with the same state-dict key and shape (the deepest
   architecture names the entries; a same-named layer of another shape gets its own entry
-  ``key@arch``). mu_l is computed on the client's own L; a layer a client does not have
-  takes no part in its broadcast or aggregation, so the deeper layers are learned by the
-  clients that have them (renormalised p_i).
+  ``key@arch``). mu_l and nu_l are computed on the layer's own architecture's L; a layer a
+  client does not have takes no part in its broadcast or aggregation, so the deeper layers
+  are learned by the clients that have them (renormalised p_i).
 
 Decisions where the resolution is silent (also in docs/reproductions.md):
 
-* Defaults b = 0, k = 10 (the paper's values were lost): b = 0 centres the sigmoid where
-  local and global are equally accurate (gamma = 0.5 whenever t/T is small); k = 10 lets a
-  10-point accuracy gap at the last round move gamma from 0.5 to 0.73.
-* Acc(global) is the global model as stored. Its head (mu_L = 0, never shared) keeps the
-  seeded initial weights, so Acc(global) stays near chance on label-skewed clients and dAcc
-  grows as the local models learn: more layers freeze as training advances (paper Fig. 6a).
+* Defaults k (``slope``) and b (``offset``) were lost in the paper's extraction; they are
+  chosen by the validation sweep of ``specs/pmixfed_tuning.toml`` (docs/pmixfed-tuning.md:
+  mean *validation* accuracy, never test).
+* "Frozen" means excluded from communication, not from local training (the paper: the layer
+  "will not be mixed up with the global model"); every layer trains for
+  ``training.local_epochs`` epochs, so pMixFed's local budget is the default one.
 * In simulation the server-side broadcast hook measures dAcc on the client's validation data
-  (a deployment would have the client measure it and request the layers with mu > 0; that
-  request is not counted). Each upload carries the client's two validation accuracies (16
-  bytes, counted) for the aggregation-stage dAcc; "dynamic-only" and "beta" send none.
+  (a deployment would have the client measure it); that measurement is not counted as
+  communication, as the paper's Section 6.5 comparison does not count it. Each upload carries
+  the client's two validation accuracies (16 bytes, counted) for the aggregation-stage dAcc;
+  "dynamic-only" and "beta" send none.
 * "dynamic-only": gamma = ``gamma`` fixed, at broadcast and at aggregation.
-* "beta" (the paper's mixup ablation, mu ~ Beta(a, a)): each layer between base and head
-  draws its own mu_l ~ Beta(a, a) per client and round; mu_1 = 1 and mu_L = 0 are kept (the
-  base is shared, the head personal, as in every pMixFed variant); gamma_agg ~ Beta(a, a) once
-  per round. No mix factor is logged for the broadcast (there is none).
-* A client that has never trained (partial participation) is evaluated with the global model;
-  a cold-start client takes the whole final global model (mu = 1 on every layer: it has no
-  local model to mix with; the global head is the initial one) and fine-tunes it for
-  ``experiment.coldstart_epochs`` epochs.
+* "beta" (the paper's mixup ablation, mu ~ Beta(a, a)): each layer strictly between base and
+  head draws its own mu_l ~ Beta(a, a) per client and round; mu_1 = 1 and mu_L = 0 are kept
+  (base shared, head never sent down, as in every pMixFed variant); gamma_agg ~ Beta(a, a)
+  once per round. No mix factor is logged for the broadcast (there is none).
+* A client that has never trained (partial participation) is evaluated with the whole global
+  model (trained head included); a cold-start client receives the whole final global model
+  (it has no local model to mix with) and fine-tunes it for ``experiment.coldstart_epochs``.
+* The personalised model of a client that trained is its local model as it left its last
+  round (after local training, before the next broadcast).
 * A client whose validation split is empty uses dAcc = 0.
+* A broadcast mix degree below 1e-9 is floating-point rounding at a boundary and counts as 0
+  (gamma = 0.6, L = 4: 1 - 1.5 * 2/3 evaluates to 2e-16), so that layer is frozen.
+* gamma rounds to exactly 1.0 in floating point for a large k * dAcc: mu is then 1 at the base
+  and 0 everywhere else (the limit of the family).
 
-Logged per round: ``gamma/<client>`` and ``frozen_layers/<client>`` (the paper's Fig. 8 and
-Fig. 6a), their means ``gamma_mean`` and ``frozen_layers_mean``, and ``gamma_agg``.
+Logged per round: ``gamma/<client>`` and ``frozen_layers/<client>`` (layers below the head
+with mu = 0; the paper's Fig. 8 and Fig. 6a), their means ``gamma_mean`` and
+``frozen_layers_mean``, and ``gamma_agg``.
 
 Schedules are pluggable: ``SCHEDULES[name] = fn`` with
 ``fn(params, *, stage, num_layers, dacc, progress, rng) -> (gamma or None, degrees)``,
 ``stage`` "broadcast" (degrees = mu_1..mu_L) or "aggregate" (degrees = nu_1..nu_L);
-``fn.uses_accuracy`` says whether it needs dAcc (else dacc is 0 and nothing is measured).
+``fn.uses_accuracy`` says whether it needs dAcc (else dacc is 0 and nothing is measured). A
+schedule that gives the head mu_L > 0 broadcasts it too (mu = 1 everywhere and nu = 0 is FedAvg).
 """
 
 from __future__ import annotations
@@ -74,7 +94,7 @@ from pfl_core import SpecError, hookimpl
 from pfl_core.context import clone_state, load_state
 from pfl_core.evaluation import score
 from pfl_core.models.layers import layer_keys
-from pfl_core.spec import FieldError, between, finite, greater_than
+from pfl_core.spec import FieldError, at_least, between, finite, greater_than
 from plugins.partial import PartialModel, partial_average, probe_num_layers, spec_archs
 
 # -- the schedule -------------------------------------------------------------------------
@@ -92,18 +112,30 @@ def mix_factor(dacc: float, progress: float, slope: float, offset: float) -> flo
     return sigmoid(slope * progress**2 * dacc - offset)
 
 
+# A mix degree below this is rounding at a boundary (gamma = 0.6, L = 4: 1 - 1.5 * 2/3 gives
+# 2e-16): it is 0, so the layer is frozen rather than sent to be mixed in at 2e-16.
+ROUNDING = 1e-9
+
+
 def broadcast_degrees(gamma: float, num_layers: int) -> list[float]:
-    """mu_l = clip(1 - (l-1) / ((L-1)(1-gamma)), 0, 1), l = 1..L: 1 at the base, 0 at the head."""
+    """mu_l = clip(1 - gamma/(1-gamma) * (l-1)/(L-1), 0, 1) for l < L and mu_L = 0 (l = 1..L)."""
     last = num_layers - 1
     if gamma >= 1.0:  # the limit: only the base is shared
         return [1.0] + [0.0] * last
-    return [min(1.0, max(0.0, 1.0 - l / (last * (1.0 - gamma)))) for l in range(num_layers)]
+    ratio = gamma / (1.0 - gamma)
+    mu = [min(1.0, max(0.0, 1.0 - ratio * l / last)) for l in range(last)]
+    return [0.0 if m < ROUNDING else m for m in mu] + [0.0]
 
 
 def aggregation_degrees(gamma: float, num_layers: int) -> list[float]:
     """nu_l = gamma * (1 - (l-1)/(L-1)): gamma at the base, 0 at the head."""
     last = num_layers - 1
     return [gamma * (1.0 - l / last) for l in range(num_layers)]
+
+
+def frozen_count(mu: list[float]) -> int:
+    """Frozen layers: below the head with mu_l = 0 (neither broadcast nor uploaded)."""
+    return sum(1 for m in mu[:-1] if m == 0)
 
 
 def _degrees(stage: str, gamma: float, num_layers: int) -> list[float]:
@@ -151,8 +183,10 @@ def _known_schedule(_instance, attribute, value):
 @define
 class PMixFedParams:
     schedule: str = field(default="sigmoid-adaptive", validator=_known_schedule)
+    # Eq. 10's k and b (lost in extraction): chosen by specs/pmixfed_tuning.toml (docs/pmixfed-tuning.md).
+    # k < 0 would share *more* of the global model when the local one is better: refused.
     offset: float = field(default=0.0, validator=finite)  # b
-    slope: float = field(default=10.0, validator=finite)  # k
+    slope: float = field(default=10.0, validator=[finite, at_least(0)])  # k
     gamma: float = field(default=0.5, validator=[finite, between(0, 1, low_open=True, high_open=True)])
     beta_a: float = field(default=1.0, validator=[finite, greater_than(0)])
 
@@ -231,8 +265,8 @@ class PMixFed(PartialModel):
         gamma, mu = self.schedule(self.params, stage="broadcast", num_layers=len(layers), dacc=dacc,
                                   progress=ctx.round / ctx.spec.experiment.rounds, rng=client.rng("pmixfed_mix"))
         ctx.server["mix"][client_id] = {"mu": list(mu), "gamma": gamma, "acc_global": acc_global}
-        frozen = sum(1 for m in mu if m == 0)
-        ctx.log({f"frozen_layers/{client_id}": frozen, **({f"gamma/{client_id}": gamma} if gamma is not None else {})})
+        ctx.log({f"frozen_layers/{client_id}": frozen_count(mu),
+                 **({f"gamma/{client_id}": gamma} if gamma is not None else {})})
         keymap, glob = ctx.server["keymap"][client.arch], ctx.server["global"]
         return {"weights": {keymap[k]: glob[keymap[k]] for m, keys in zip(mu, layers) if m > 0 for k in keys}}
 
@@ -272,7 +306,10 @@ class PMixFed(PartialModel):
         layers = ctx.server["layers"][client.arch]
         keymap = ctx.server["keymap"][client.arch]
         state = client.model.state_dict()
-        upload = {"weights": {keymap[k]: state[k] for m, keys in zip(mix["mu"], layers) if m > 0 for k in keys}}
+        sent = [keys for m, keys in zip(mix["mu"], layers) if m > 0]
+        if mix["mu"][-1] == 0:
+            sent.append(layers[-1])  # the head: never sent down, always uploaded
+        upload = {"weights": {keymap[k]: state[k] for keys in sent for k in keys}}
         if self.schedule.uses_accuracy and client.scratch["acc_local"] is not None:
             upload["val_acc_local"] = client.scratch["acc_local"]
             upload["val_acc_global"] = mix["acc_global"]
@@ -308,7 +345,7 @@ class PMixFed(PartialModel):
                 glob[gk] = avg.mul_(1.0 - nu).add_(glob[gk], alpha=nu)
         mixes = [ctx.server["mix"][i] for i in ctx.participants if i in ctx.server["mix"]]
         gammas = [m["gamma"] for m in mixes if m["gamma"] is not None]
-        metrics = {"frozen_layers_mean": float(np.mean([sum(1 for v in m["mu"] if v == 0) for m in mixes]))}
+        metrics = {"frozen_layers_mean": float(np.mean([frozen_count(m["mu"]) for m in mixes]))} if mixes else {}
         if gammas:
             metrics["gamma_mean"] = float(np.mean(gammas))
         if gamma_agg is not None:
