@@ -37,15 +37,18 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     try:
         from .runner import run_spec_file
 
-        run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
-                      no_tracking=args.no_tracking, quiet=args.quiet)
+        results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
+                                no_tracking=args.no_tracking, quiet=args.quiet)
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    errors = [e for point in results for run in point.runs for e in run.errors]
+    for error in errors:  # the runs finished and were logged; a late step did not
+        print(f"{prog}: error: {error}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def plugins_main() -> int:

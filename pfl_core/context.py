@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import registry, seeding
+from .budget import WorkCounter
 from .errors import SpecError
 from .payload import nbytes
 from .spec import Spec
@@ -150,6 +151,13 @@ class Client:
         self.arch = ctx.models.arch_of(client_id)
         self.state = ctx.store[client_id]  # persists across rounds
         self.scratch: dict[str, Any] = {}  # this round only
+        self.work = WorkCounter()  # samples trained on this round (the engine logs the budget)
+
+    def count_work(self, private: int = 0, public: int = 0) -> None:
+        """Record samples processed by a plugin's own training loop (``train`` counts its own):
+        ``private`` over this client's train split, ``public`` over the public set."""
+        self.work.private += int(private)
+        self.work.public += int(public)
 
     @property
     def model(self) -> nn.Module:
@@ -179,10 +187,15 @@ class Client:
         return sum(terms)
 
     def train(self, model: nn.Module | None = None, *, epochs: int | None = None, optimizer=None,
-              x=None, y=None, loss_fn=None) -> dict[str, float]:
-        """Run the configured epochs of mini-batch training (default: on the train split)."""
+              x=None, y=None, loss_fn=None, work: str | None = None) -> dict[str, float]:
+        """Run the configured epochs of mini-batch training (default: on the train split).
+
+        Every epoch is counted as work: ``work`` = "private" or "public"; by default private
+        when training on the client's train split, public otherwise (the public set)."""
         training = self.ctx.spec.training
         model = self.model if model is None else model
+        if work is None:
+            work = "private" if x is None or x is self.data.train_x else "public"
         return run_epochs(
             model,
             optimizer if optimizer is not None else self.optimizer(),
@@ -193,6 +206,8 @@ class Client:
             loss_fn=self.objective if loss_fn is None else loss_fn,
             generator=self.generator("train"),
             shuffle=training.shuffle,
+            drop_last=training.drop_last,
+            counter=lambda n: self.count_work(**{work: n}),
         )
 
 
@@ -220,6 +235,27 @@ class RunContext:
         self.comm_up = 0  # cumulative bytes, counted by the engine
         self.comm_down = 0
         self.tracker = None  # set by the engine; plugins log artifacts through it
+
+        self.work_private_epochs = 0.0  # summed over clients: epochs over their private data
+        self.work_public_epochs = 0.0
+
+    def record_work(self, client: Client) -> None:
+        """Add one client's round of local work (samples processed, as epochs) to the totals."""
+        self.work_private_epochs += client.work.private / max(client.num_train, 1)
+        public = self.data.public
+        if public is not None and len(public.indices):
+            self.work_public_epochs += client.work.public / len(public.indices)
+
+    def record_pooled_work(self, epochs: float) -> None:
+        """Server-side training over every training client's pooled data (Centralized): each
+        client's private data was passed over ``epochs`` times."""
+        self.work_private_epochs += epochs * len(self.training_clients)
+
+    def budget_metrics(self) -> dict[str, float]:
+        """Cumulative local work per training client, measured (compare with ``[budget]``)."""
+        clients = max(len(self.training_clients), 1)
+        return {"budget.private_epochs": self.work_private_epochs / clients,
+                "budget.public_epochs": self.work_public_epochs / clients}
 
     @property
     def num_clients(self) -> int:

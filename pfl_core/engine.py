@@ -22,7 +22,7 @@ from .payload import nbytes
 from .registry import Plugin
 from .seeding import numpy_rng
 from .spec import Spec, structure, unstructure
-from .tracking import NullTracker, Progress, flatten
+from .tracking import NullTracker, Progress, flatten, one_line
 
 
 @attrs.define
@@ -68,6 +68,8 @@ def resolve(raw: dict) -> Resolved:
     as_dict["partition"]["params"] = registry.resolved_params(partitioner)
     as_dict["model"]["params"] = registry.resolved_params(models.plugin(spec.model.name))
     as_dict.pop("sweep", None)
+    # Computed, never read back: what every participating client trains (pfl_core/budget.py).
+    as_dict["budget"] = algorithm.local_work(spec).table(spec.experiment.rounds)
     return Resolved(spec, plugins, as_dict)
 
 
@@ -85,6 +87,8 @@ class RunResult:
     client_rows: list[dict]
     final: dict[str, float]
     run_id: str | None = None
+    # Failures after training (e.g. in cold-start evaluation): reported, the run's results kept.
+    errors: list[str] = attrs.Factory(list)
 
 
 class Engine:
@@ -130,6 +134,7 @@ class Engine:
             ctx.train_losses.append(train_metrics["train_loss"])
         upload = hooks.client_upload(ctx=ctx, client=client)
         ctx.comm_up += nbytes(upload)
+        ctx.record_work(client)
         return client_id, upload
 
     def run_round(self, ctx: RunContext, round: int) -> None:
@@ -182,11 +187,14 @@ class Engine:
                 "round_seconds": time.perf_counter() - started,
                 "comm_up_bytes": float(ctx.comm_up),
                 "comm_down_bytes": float(ctx.comm_down),
+                **ctx.budget_metrics(),
                 **ctx.round_metrics,
             }
             if round % spec.evaluation.every == 0 or round == spec.experiment.rounds:
                 started = time.perf_counter()
                 scores, rows = evaluate_clients(ctx)
+                if spec.evaluation.validation:
+                    scores.update(evaluate_clients(ctx, split="val", prefix="val_")[0])
                 metrics.update(scores, eval_seconds=time.perf_counter() - started)
                 history.append({"round": round, **metrics})
             self.tracker.log_metrics(metrics, step=round)
@@ -196,14 +204,22 @@ class Engine:
             if extra:
                 final.update(extra)
                 self.tracker.log_metrics(extra, step=spec.experiment.rounds)
+        errors: list[str] = []
         if ctx.coldstart_clients:
-            coldstart, coldstart_rows = self._evaluate_coldstart(ctx)
-            final.update(coldstart)
-            self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
-            rows = [{**row, "coldstart": False} for row in rows] + [{**row, "coldstart": True} for row in coldstart_rows]
+            try:
+                coldstart, coldstart_rows = self._evaluate_coldstart(ctx)
+            except Exception as exc:  # keep the trained run: report, log what exists, go on
+                errors.append(f"cold-start evaluation failed ({type(exc).__name__}: {one_line(exc)}); "
+                              f"the training results are kept")
+                self.tracker.set_tag("pfl.error", errors[-1])
+            else:
+                final.update(coldstart)
+                self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
+                rows = ([{**row, "coldstart": False} for row in rows]
+                        + [{**row, "coldstart": True} for row in coldstart_rows])
         self._log_results(history, rows)
         final.pop("round", None)
-        return RunResult(history=history, client_rows=rows, final=final)
+        return RunResult(history=history, client_rows=rows, final=final, errors=errors)
 
     def _evaluate_coldstart(self, ctx: RunContext) -> tuple[dict[str, float], list[dict]]:
         """Personalise each held-out client from the final state, then score it."""

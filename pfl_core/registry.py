@@ -16,7 +16,7 @@ import attrs
 import pluggy
 
 from . import hookspecs
-from .errors import PflError, SpecError, unknown_name
+from .errors import PflError, SpecError, did_you_mean, unknown_name
 from .spec import structure, unstructure
 
 ENTRY_POINT_GROUP = "pfl"
@@ -55,6 +55,14 @@ class Plugin:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name} {self.params}>"
+
+    def local_work(self, spec):
+        """The local training one participating client does (algorithms; see
+        :mod:`pfl_core.budget`). Default: ``training.local_epochs`` private epochs per round.
+        Override when a method trains more (warm-up, pre-training, extra phases, public data)."""
+        from .budget import LocalWork
+
+        return LocalWork(float(spec.training.local_epochs))
 
 
 @attrs.frozen
@@ -167,4 +175,25 @@ def make_plugin_manager(plugins: list[Plugin]) -> pluggy.PluginManager:
     pm.register(CoreDefaults(), name="pfl-core-defaults")
     for index, plugin in enumerate(plugins):
         pm.register(plugin, name=f"{plugin.name}#{index}")
+    reject_unknown_hooks(pm)
     return pm
+
+
+def reject_unknown_hooks(pm: pluggy.PluginManager) -> None:
+    """A ``@hookimpl`` whose name matches no hook spec is silently ignored by pluggy unless
+    checked: a typo (``local_trian``) must stop the run, naming the plugin and the hook."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        valid = sorted(name for name in dir(hookspecs.Hooks) if not name.startswith("_"))
+        for name, caller in sorted(vars(pm.hook).items()):
+            if isinstance(caller, pluggy.HookCaller) and not caller.has_spec():
+                for impl in caller.get_hookimpls():
+                    if impl.optionalhook:
+                        continue
+                    plugin = impl.plugin
+                    raise SpecError(getattr(plugin, "spec_path", "plugins"),
+                                    f"plugin '{getattr(plugin, 'name', impl.plugin_name)}' "
+                                    f"({type(plugin).__module__}) implements '{name}', which is not a pfl "
+                                    f"hook{did_you_mean(name, valid)}") from None
+        raise

@@ -1,23 +1,64 @@
-"""From a spec file to finished runs: overrides, sweep expansion, validation, tracking, output."""
+"""From a spec file to finished runs: overrides, sweep expansion, seeds, validation, tracking,
+output."""
 
 from __future__ import annotations
 
+import copy
+import math
 import sys
 from typing import Any
 
-from .engine import Engine, Resolved, RunResult, resolve
+import attrs
+
+from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import SpecError
 from .spec import apply_overrides, expand_sweep, load_toml
-from .tracking import make_tracker
+from .stats import Summary, paired_difference, summarize
+from .tracking import flatten, make_tracker
 
 
-def resolve_points(raw: dict, overrides: list[str]) -> list[tuple[dict[str, Any], Resolved]]:
+@attrs.define
+class Point:
+    """One sweep point: its settings, the validated spec, and the seeds it runs with."""
+
+    settings: dict[str, Any]
+    resolved: Resolved
+    raw: dict
+
+    @property
+    def seeds(self) -> list[int] | None:
+        """The repeat seeds (``experiment.seeds``), or None for one plain run."""
+        return self.resolved.spec.experiment.seeds
+
+    def for_seed(self, seed: int) -> Resolved:
+        raw = copy.deepcopy(self.raw)
+        experiment = raw.setdefault("experiment", {})
+        experiment["seed"] = seed
+        experiment.pop("seeds", None)
+        return resolve(raw)
+
+
+@attrs.define
+class PointResult:
+    """A point's runs: one per seed (or the single run), and the mean over them."""
+
+    name: str
+    seeds: list[int]
+    runs: list[RunResult]
+    summary: dict[str, Summary]
+    run_id: str | None = None
+
+    def values(self, metric: str) -> list[float]:
+        return [r.final.get(metric, math.nan) for r in self.runs]
+
+
+def resolve_points(raw: dict, overrides: list[str]) -> list[Point]:
     """Every run the spec describes (one, or one per sweep point), validated before any runs."""
     raw = apply_overrides(raw, overrides)
     points = []
     for settings, point in expand_sweep(raw):
         try:
-            points.append((settings, resolve(point)))
+            points.append(Point(settings, resolve(point), point))
         except SpecError as exc:
             if settings:  # say which sweep point broke
                 where = ", ".join(f"{k}={v!r}" for k, v in settings.items())
@@ -33,40 +74,107 @@ def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
     return " ".join([base, *extras])
 
 
+def check_compare_to(points: list[Point], names: list[str]) -> None:
+    wanted = points[0].resolved.spec.experiment.compare_to
+    if wanted and wanted not in names:
+        raise SpecError("experiment.compare_to", f"names no run of this spec: {wanted!r}; runs: {', '.join(names)}")
+
+
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
-                  no_tracking: bool = False, quiet: bool = False, out=None) -> list[RunResult]:
+                  no_tracking: bool = False, quiet: bool = False, out=None) -> list[PointResult]:
     out = out or sys.stdout
     if no_tracking:
         overrides = [*overrides, "tracking.enabled=false"]
     points = resolve_points(load_toml(path), overrides)
+    names = [run_name_for(p.resolved, p.settings) for p in points]
+    check_compare_to(points, names)
     if dry_run:
-        import torch
-
-        from .context import ModelBank
-        from .data.federated import build_federated_data
-
-        for settings, resolved in points:
-            if settings:
-                print(f"# sweep point: {settings}", file=out)
-            print(resolved.toml(), file=out)
-            data = build_federated_data(resolved.spec)
-            ModelBank(resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
-            sizes = [c.num_train for c in data.clients]
-            public = f", public set {len(data.public.indices)}" if data.public is not None else ""
-            print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
-                  f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}\n", file=out)
+        dry_run_report(points, out)
         return []
 
     results = []
-    for settings, resolved in points:
-        tracker = make_tracker(resolved.spec.tracking, tracking_uri)
-        name = run_name_for(resolved, settings)
-        result = Engine(resolved, tracker=tracker, progress=not quiet, run_name=name).run()
+    for point, name in zip(points, names):
+        result = run_point(point, name, tracking_uri, quiet, out)
         results.append(result)
-        print_client_table(result, name, out)
+        print_point(result, out)
     if len(points) > 1:
-        print_comparison([run_name_for(r, s) for s, r in points], results, out)
+        print_comparison(results, points[0].resolved.spec.experiment.compare_to or names[0], out)
     return results
+
+
+def dry_run_report(points: list[Point], out) -> None:
+    import torch
+
+    from .context import ModelBank
+    from .data.federated import build_federated_data
+
+    for point in points:
+        if point.settings:
+            print(f"# sweep point: {point.settings}", file=out)
+        print(point.resolved.toml(), file=out)
+        spec = point.resolved.spec
+        if point.seeds:
+            print(f"# seeds: {', '.join(map(str, point.seeds))} ({len(point.seeds)} runs of this point, "
+                  f"each with its own partition and initialisation)", file=out)
+        data = build_federated_data(point.for_seed(point.seeds[0]).spec if point.seeds else spec)
+        ModelBank(spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+        sizes = [c.num_train for c in data.clients]
+        public = f", public set {len(data.public.indices)}" if data.public is not None else ""
+        print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
+              f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}\n", file=out)
+
+
+def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out) -> PointResult:
+    """Run one sweep point: a single run, or one child run per seed under a parent run that
+    holds the mean, std and 95% interval of every final metric."""
+    spec = point.resolved.spec
+    if not point.seeds:
+        tracker = make_tracker(spec.tracking, tracking_uri)
+        run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name).run()
+        return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
+                           run.run_id)
+
+    parent = make_tracker(spec.tracking, tracking_uri)
+    parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
+                 {"algorithm": spec.algorithm.name, "pfl.seeds": ",".join(map(str, point.seeds)),
+                  **spec.tracking.tags})
+    status = "FAILED"
+    runs: list[RunResult] = []
+    try:
+        for seed in point.seeds:
+            child = make_tracker(spec.tracking, tracking_uri)
+            runs.append(Engine(point.for_seed(seed), tracker=child, progress=not quiet,
+                               run_name=f"{name} seed={seed}").run())
+            print_run_line(runs[-1], f"{name} seed={seed}", out)
+        status = "FINISHED"
+    finally:
+        # What the finished seeds measured is logged even when a later seed fails.
+        result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id)
+        log_seed_summary(parent, result)
+        parent.end(status)
+    return result
+
+
+def summarize_runs(runs: list[RunResult]) -> dict[str, Summary]:
+    keys = sorted({k for r in runs for k in r.final})
+    return {k: summarize([r.final.get(k, math.nan) for r in runs]) for k in keys}
+
+
+def log_seed_summary(tracker, result: PointResult) -> None:
+    """The parent run's metrics (``m``, ``m_std``, ``m_ci95``) and the per-seed table."""
+    metrics = {}
+    for key, s in result.summary.items():
+        metrics.update({key: s.mean, f"{key}_std": s.std, f"{key}_ci95": s.ci95})
+    finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
+    if finite:
+        tracker.log_metrics(finite, step=0)
+    keys = sorted(result.summary)
+    rows = [[seed, *[run.final.get(k, math.nan) for k in keys]] for seed, run in zip(result.seeds, result.runs)]
+    if rows:
+        tracker.log_text(table_csv(["seed", *keys], rows), "results/seeds.csv")
+
+
+# -- terminal output --------------------------------------------------------------------------
 
 
 def _fmt(value) -> str:
@@ -77,11 +185,38 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _pm(s: Summary, digits: int = 4) -> str:
+    if s.n < 2:
+        return f"{s.mean:.{digits}f}"
+    return f"{s.mean:.{digits}f} ± {s.ci95:.{digits}f}"
+
+
 def print_table(header: list[str], rows: list[list], out) -> None:
     cells = [[str(h) for h in header]] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
+
+
+def print_run_line(result: RunResult, name: str, out) -> None:
+    final = result.final
+    shown = "  ".join(f"{k} {_fmt(final[k])}" for k in ("acc_mean", "acc_p10", "coldstart_acc_mean") if k in final)
+    print(f"-- {name}: {shown}", file=out)
+    for error in result.errors:
+        print(f"-- {name}: error: {error}", file=out)
+
+
+def print_point(result: PointResult, out) -> None:
+    if len(result.runs) == 1:
+        print_client_table(result.runs[0], result.name, out)
+        return
+    print(f"\n== {result.name}: {len(result.runs)} seeds (mean ± 95% interval) ==", file=out)
+    for key in ("acc_mean", "acc_std", "acc_p10", "server_acc_mean", "coldstart_acc_mean",
+                "budget.private_epochs", "budget.public_epochs"):
+        if key in result.summary:
+            print(f"-- {key} {_pm(result.summary[key])}", file=out)
+    if result.run_id:
+        print(f"-- MLflow parent run {result.run_id} (one child run per seed)", file=out)
 
 
 def print_client_table(result: RunResult, name: str, out) -> None:
@@ -98,12 +233,50 @@ def print_client_table(result: RunResult, name: str, out) -> None:
     coldstart = "  ".join(f"{k} {_fmt(final[k])}" for k in ("coldstart_acc_mean", "coldstart_acc_std") if k in final)
     if coldstart:
         print(f"-- cold-start clients: {coldstart}", file=out)
+    for error in result.errors:
+        print(f"-- error: {error}", file=out)
     if result.run_id:
         print(f"-- MLflow run {result.run_id}", file=out)
 
 
-def print_comparison(names: list[str], results: list[RunResult], out) -> None:
-    print("\n== comparison (same seed, same partition) ==", file=out)
-    keys = ["acc_mean", "acc_std", "acc_p10", "loss_mean", "comm_up_bytes"]
-    rows = [[name, *[r.final.get(k, float("nan")) for k in keys]] for name, r in zip(names, results)]
-    print_table(["run", *keys], rows, out)
+COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
+
+
+def print_comparison(results: list[PointResult], reference: str, out) -> None:
+    """Every run as mean ± ci95, and its paired difference from ``reference`` over the same
+    seeds, marked * where the 95% interval excludes 0."""
+    ref = next(r for r in results if r.name == reference)
+    seeds = {tuple(r.seeds) for r in results}
+    n = len(ref.runs)
+    title = "same seed, same partition" if n == 1 else f"{n} seeds, mean ± 95% interval"
+    print(f"\n== comparison ({title}) ==", file=out)
+    keys = [k for k in COMPARED if any(k in r.summary for r in results)]
+    header = ["run", *keys, "comm_up_bytes"]
+    if n > 1:
+        header += [f"Δ{k} vs {reference}" for k in keys]
+    rows = []
+    for r in results:
+        row = [r.name, *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
+               r.summary["comm_up_bytes"].mean if "comm_up_bytes" in r.summary else math.nan]
+        if n > 1:
+            for k in keys:
+                row.append(_diff_cell(r, ref, k))
+        rows.append(row)
+    print_table(header, rows, out)
+    if n > 1:
+        print("(Δ: paired difference over the same seeds with its 95% interval; * = the interval excludes 0)",
+              file=out)
+    if len(seeds) > 1:
+        print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
+
+
+def _diff_cell(result: PointResult, ref: PointResult, key: str) -> str:
+    if result is ref:
+        return "-"
+    common = [s for s in result.seeds if s in ref.seeds]
+    if len(common) < 2 or key not in result.summary or key not in ref.summary:
+        return "-"
+    mine = dict(zip(result.seeds, result.values(key)))
+    theirs = dict(zip(ref.seeds, ref.values(key)))
+    d = paired_difference([mine[s] for s in common], [theirs[s] for s in common])
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"

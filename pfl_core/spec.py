@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import typing
 import math
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Literal, Optional
 import attrs
 import cattrs
 from attrs import define, field
+from cattrs.cols import list_structure_factory
 from cattrs.errors import (
     ClassValidationError,
     ForbiddenExtraKeysError,
@@ -93,10 +95,28 @@ def one_of(*choices):
 # Spec sections
 
 
+def _valid_seeds(_instance, attribute, value):
+    if value is None:
+        return
+    if not value:
+        raise FieldError(attribute.name, "must list at least one seed, e.g. [0, 1, 2]")
+    negative = [s for s in value if s < 0]
+    if negative:
+        raise FieldError(attribute.name, f"seeds must be >= 0, got {negative[0]}")
+    repeated = sorted({s for s in value if value.count(s) > 1})
+    if repeated:
+        raise FieldError(attribute.name, f"lists seed {repeated[0]} more than once; each seed must be distinct")
+
+
 @define
 class ExperimentSection:
     name: str = "pfl"
-    seed: int = 0
+    seed: int = field(default=0, validator=at_least(0))
+    # Repeats: run the whole experiment once per seed (partition, initialisation, training),
+    # report mean, std and 95% interval over them. Overrides `seed`.
+    seeds: Optional[list[int]] = field(default=None, validator=_valid_seeds)
+    # The run label every other sweep point is compared with (default: the first point).
+    compare_to: str = ""
     rounds: int = field(default=10, validator=at_least(1))
     # Fraction of clients sampled each round with the round's seeded RNG.
     participation: float = field(default=1.0, validator=between(0, 1, low_open=True))
@@ -184,14 +204,21 @@ class TrainingSection:
     optimizer: str = field(default="sgd", validator=one_of("sgd", "adam"))
     lr: float = field(default=0.01, validator=[finite, greater_than(0)])
     momentum: float = field(default=0.0, validator=between(0, 1, high_open=True))
-    weight_decay: float = field(default=0.0, validator=at_least(0))
+    weight_decay: float = field(default=0.0, validator=[finite, at_least(0)])
     shuffle: bool = True
+    # Skip each epoch's last partial batch (kept when it is a client's only batch). The papers
+    # leave it open; on by default because a full-learning-rate step on a 1-2 sample
+    # remainder cost small clients up to 7 points (docs/spec-reference.md).
+    drop_last: bool = True
 
 
 @define
 class EvaluationSection:
     every: int = field(default=1, validator=at_least(1))
     batch_size: int = field(default=1024, validator=at_least(1))
+    # Also score each client's personalized model on its validation split (val_acc_mean ...),
+    # the split to tune hyperparameters on (never the test split).
+    validation: bool = False
 
 
 @define
@@ -230,6 +257,9 @@ class Spec:
     executor: ExecutorSection = field(factory=ExecutorSection)
     # dotted key -> list of values; the cartesian product runs as separate runs.
     sweep: dict[str, list[Any]] = field(factory=dict)
+    # Computed by resolve() (declared local work, pfl_core/budget.py); a value given here is
+    # replaced, so a resolved spec can be run again as it is.
+    budget: dict[str, Any] = field(factory=dict)
 
     def __attrs_post_init__(self):
         if self.experiment.coldstart_clients >= self.partition.num_clients:
@@ -267,6 +297,17 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str), "a string"))
     conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool), "true or false"))
     conv.register_structure_hook(Any, lambda v, _t: v)
+    def list_hook_factory(type_):
+        items = list_structure_factory(type_, conv)  # cattrs' own: item errors keep their index
+
+        def structure_list(value, _type):
+            if not isinstance(value, list):  # a string or table is not iterated item by item
+                raise TypeError(f"expected a list, got {value!r} ({_type_name(value)})")
+            return items(value, _type)
+
+        return structure_list
+
+    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook_factory)
     return conv
 
 

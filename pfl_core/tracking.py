@@ -48,6 +48,9 @@ class NullTracker:
     def log_figure(self, figure, filename: str) -> None:
         pass
 
+    def set_tag(self, key: str, value: str) -> None:
+        pass
+
     def end(self, status: str = "FINISHED") -> None:
         pass
 
@@ -74,7 +77,8 @@ class MlflowTracker(NullTracker):
             mlflow.set_experiment(experiment)
         except Exception as exc:  # unreachable server, unwritable store
             raise PflError(f"MLflow tracking at {mlflow.get_tracking_uri()} failed: {one_line(exc)} (tracking.uri)") from None
-        run = mlflow.start_run(run_name=run_name, tags=tags)
+        # A run started while another is active (a seed of a repeated experiment) is its child.
+        run = mlflow.start_run(run_name=run_name, tags=tags, nested=mlflow.active_run() is not None)
         self.run_id = run.info.run_id
         items = sorted(params.items())
         for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
@@ -88,6 +92,9 @@ class MlflowTracker(NullTracker):
 
     def log_figure(self, figure, filename):
         self.mlflow.log_figure(figure, filename)
+
+    def set_tag(self, key, value):
+        self.mlflow.set_tag(key, value)
 
     def end(self, status="FINISHED"):
         if self.run_id is not None:

@@ -29,6 +29,20 @@ def batch_order(n: int, generator: torch.Generator | None, shuffle: bool) -> tor
     return torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
 
 
+def batch_starts(n: int, batch_size: int, drop_last: bool) -> range:
+    """Start index of every mini-batch of an epoch over n samples.
+
+    With ``drop_last`` the epoch's last partial batch is skipped: a step on 1-2 samples at the
+    full learning rate is a high-variance step that measurably hurt small clients (docs/
+    spec-reference.md, ``training.drop_last``). Shuffling changes which samples are left out
+    each epoch. A client with fewer samples than one batch still trains on its one partial
+    batch, so no client is silently left untrained.
+    """
+    if drop_last and n >= batch_size:
+        return range(0, n - n % batch_size, batch_size)
+    return range(0, n, batch_size)
+
+
 def run_epochs(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -40,15 +54,21 @@ def run_epochs(
     loss_fn: LossFn,
     generator: torch.Generator | None = None,
     shuffle: bool = True,
+    drop_last: bool = False,
+    counter=None,
 ) -> dict[str, float]:
-    """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data."""
+    """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data.
+
+    ``counter(samples)`` is told n after every epoch (work accounting: an epoch is one pass
+    over the n samples, its dropped remainder included).
+    """
     model.train()
     n = len(y)
     total = torch.zeros(())
     steps = 0
     for _ in range(epochs):
         order = batch_order(n, generator, shuffle)
-        for start in range(0, n, batch_size):
+        for start in batch_starts(n, batch_size, drop_last):
             idx = order[start : start + batch_size]
             xb, yb = x[idx], y[idx]
             optimizer.zero_grad(set_to_none=True)
@@ -58,4 +78,6 @@ def run_epochs(
             optimizer.step()
             total += loss.detach().cpu()
             steps += 1
+        if counter is not None:
+            counter(n)
     return {"train_loss": float(total) / steps} if steps else {}

@@ -39,6 +39,7 @@ class Centralized(FedAvg):
         run_epochs(model, make_optimizer(model.parameters(), training),
                    ctx.server["pooled_x"], ctx.server["pooled_y"],
                    epochs=training.local_epochs, batch_size=training.batch_size,
-                   loss_fn=cross_entropy, generator=ctx.generator("train"), shuffle=training.shuffle)
+                   loss_fn=cross_entropy, generator=ctx.generator("train"), shuffle=training.shuffle,
+                   drop_last=training.drop_last, counter=lambda n: ctx.record_pooled_work(1))
         ctx.server["global"] = clone_state(model)
         return True
