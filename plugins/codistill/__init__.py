@@ -3,27 +3,44 @@
 
 One round, as every such method runs it here::
 
-    client i:  distil from the targets the server sent last round (none in round 1)
-               train on D_i (round 1: pretrain_epochs, later: training.local_epochs)
+    client i:  distil from the targets the server sent last round (none in round 1):
+                   distill_epochs epochs of KL(target || f_i) on U    (+ a method's term)
+               train on D_i: pretrain_epochs (E0) in the client's first round,
+                   finetune_epochs (default training.local_epochs) in every later one
                send f_i(U) = softmax(f_i(x) / T) for x in U        (float32 or float16)
     server:    method-specific: turn the predictions into each client's next targets
 
 The client-side distillation of round t's targets happens at the start of round t + 1's
 client work, which is where the next local step starts from it anyway (COSMOS's
-f_i^(t,2) -> f_i^(t+1,1)); evaluation after round t therefore scores f_i^(t,1).
+f_i^(t,2) -> f_i^(t+1,1)); evaluation after round t therefore scores f_i^(t,1), and the
+targets of the last round are never distilled.
+
+Budget (``local_work``): the first round trains E0 epochs *instead of* a round's
+fine-tuning and distils nothing, so over R rounds a client does E0 + (R - 1) * finetune
+private epochs and (R - 1) * distill_epochs public ones; declared as per-round work plus a
+first-round correction (E0 - finetune private, -distill_epochs public; these can be
+negative). The distillation loop counts its samples with ``client.count_work(public=...)``;
+the consistency term's augmented forward passes are not counted as extra samples.
+
+Devices: data, models and predictions live on ``ctx.device``; every random draw uses a
+seeded CPU ``torch.Generator`` (batch order, augmentations) and is moved to the data's
+device afterwards, so CPU results are bit-identical to the pre-device-clean code and a
+CUDA run draws the same numbers. Anything turned into numpy goes through ``.cpu()`` first.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from attrs import define, field
 
 from pfl_core import Plugin, SpecError, hookimpl
-from pfl_core.context import clone_state, load_state
-from pfl_core.spec import FieldError, at_least, finite, greater_than, one_of
+from pfl_core.budget import LocalWork
+from pfl_core.context import clone_state
+from pfl_core.spec import at_least, finite, greater_than, one_of
+from pfl_core.training import run_epochs
 from plugins.local import load_personal
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -31,7 +48,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 @define
 class CodistillParams:
-    pretrain_epochs: int = field(default=5, validator=at_least(0))  # E0, round 1 only
+    pretrain_epochs: int = field(default=5, validator=at_least(0))  # E0, the client's first round only
+    # Local fine-tuning epochs on D_i in every later round; None: training.local_epochs.
+    finetune_epochs: Optional[int] = field(default=None, validator=at_least(0))
     distill_epochs: int = field(default=1, validator=at_least(0))  # client distillation on U
     temperature: float = field(default=1.0, validator=[finite, greater_than(0)])
     label_dtype: str = field(default="float32", validator=one_of(*DTYPES))
@@ -64,22 +83,18 @@ def kl_to_target(logits: torch.Tensor, target: torch.Tensor, temperature: float)
     return F.kl_div(F.log_softmax(logits / temperature, dim=1), target, reduction="batchmean")
 
 
-def distill(model, optimizer, x, targets, *, epochs, batch_size, temperature, generator, extra_term=None):
-    """Fit ``model`` to soft ``targets`` on ``x`` (mini-batch KL), plus an optional term."""
-    model.train()
-    n = len(x)
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, batch_size):
-            idx = order[start : start + batch_size]
-            xb = x[idx]
-            optimizer.zero_grad(set_to_none=True)
-            logits = model(xb)
-            loss = kl_to_target(logits, targets[idx].float(), temperature)
-            if extra_term is not None:
-                loss = loss + extra_term(model, xb, logits)
-            loss.backward()
-            optimizer.step()
+def distill(model, optimizer, x, targets, *, epochs, batch_size, temperature, generator, extra_term=None,
+            drop_last=False, counter=None):
+    """Fit ``model`` to soft ``targets`` on ``x``: mini-batch KL(target || model), plus an
+    optional ``extra_term(model, xb, logits)``; pfl's shared loop (``run_epochs``) with the
+    targets in place of labels. ``counter(samples)`` is told each step's batch size."""
+
+    def loss(model, xb, target, logits):
+        value = kl_to_target(logits, target.float(), temperature)
+        return value if extra_term is None else value + extra_term(model, xb, logits)
+
+    return run_epochs(model, optimizer, x, targets, epochs=epochs, batch_size=batch_size, loss_fn=loss,
+                      generator=generator, drop_last=drop_last, counter=counter)
 
 
 class PublicPredictionMethod(Plugin):
@@ -90,6 +105,17 @@ class PublicPredictionMethod(Plugin):
     @hookimpl
     def check_spec(self, spec):
         require_public(spec, self.name)
+
+    def finetune_epochs(self, spec) -> int:
+        p = self.params
+        return spec.training.local_epochs if p.finetune_epochs is None else p.finetune_epochs
+
+    def local_work(self, spec) -> LocalWork:
+        """E0 in the first round instead of a round's fine-tuning, no distillation before it."""
+        p, finetune = self.params, self.finetune_epochs(spec)
+        return LocalWork(private_epochs_per_round=float(finetune), public_epochs_per_round=float(p.distill_epochs),
+                         pretrain_private_epochs=float(p.pretrain_epochs - finetune),
+                         pretrain_public_epochs=-float(p.distill_epochs))
 
     # -- server -> client -------------------------------------------------------------
 
@@ -111,14 +137,16 @@ class PublicPredictionMethod(Plugin):
         p = self.params
         distill(model, client.optimizer(), ctx.data.public.x, targets, epochs=p.distill_epochs,
                 batch_size=p.distill_batch_size, temperature=p.temperature,
-                generator=client.generator("distill"), extra_term=self.client_regulariser(ctx, client))
+                generator=client.generator("distill"), extra_term=self.client_regulariser(ctx, client),
+                drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n))
 
     def client_regulariser(self, ctx, client):
         return None
 
     @hookimpl
     def local_train(self, ctx, client):
-        epochs = self.params.pretrain_epochs if ctx.round == 1 else ctx.spec.training.local_epochs
+        first = "weights" not in client.state  # never trained: pre-training (E0), then the first upload
+        epochs = self.params.pretrain_epochs if first else self.finetune_epochs(ctx.spec)
         metrics = client.train(epochs=epochs)
         client.state["weights"] = clone_state(client.model)
         return metrics
@@ -142,21 +170,10 @@ class PublicPredictionMethod(Plugin):
 def mean_l1_distances(predictions: torch.Tensor) -> torch.Tensor:
     """d(i, j) = mean over U of ||p_i(x) - p_j(x)||_1, in [0, 2] (scale-free in |U|).
 
-    ``predictions``: (clients, |U|, C) probabilities.
+    ``predictions``: (clients, |U|, C) probabilities, on any device; the result is on the CPU.
     """
     n = predictions.shape[0]
     out = torch.zeros(n, n, dtype=torch.float64)
     for i in range(n):
-        out[i] = (predictions - predictions[i]).abs().sum(dim=2).mean(dim=1).double()
+        out[i] = (predictions - predictions[i]).abs().sum(dim=2).mean(dim=1).double().cpu()
     return out
-
-
-def positive_or_auto(_instance, attribute, value):
-    if value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0) or value != value:
-        raise FieldError(attribute.name, f'must be a number > 0 or "auto", got {value!r}')
-
-
-def as_any(value: Any) -> Any:
-    return value

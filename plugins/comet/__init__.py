@@ -5,7 +5,13 @@ server trains no model ("passive server").
 
 Round t: client distils from last round's cluster mean (none in round 1) -> trains on D_i
 (round 1: pretrain_epochs) -> sends f_i(U) -> server: k-means (K = ``num_clusters``, seeded
-k-means++ then Lloyd iterations) on the flattened predictions -> targets = cluster means.
+k-means++ then Lloyd iterations) on the flattened predictions -> targets = cluster means
+(the plain mean of the members' predictions, as COSMOS's f_bar_k).
+
+Pre-training, fine-tuning, distillation, bytes and the budget are those of
+``plugins.codistill`` (E0 = ``pretrain_epochs`` in the client's first round). k-means runs on
+the CPU (numpy, seeded with the round's ``ctx.rng("kmeans")``); the predictions are copied
+there with ``.cpu()``, the cluster means stay on the run's device.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class Comet(PublicPredictionMethod):
     def server_aggregate(self, ctx, uploads, weights):
         predictions = self.collect_predictions(uploads)
         ids = sorted(predictions)
-        flat = torch.stack([predictions[i].flatten() for i in ids]).double().numpy()
+        flat = torch.stack([predictions[i].flatten() for i in ids]).double().cpu().numpy()
         labels = kmeans(flat, self.params.num_clusters, ctx.rng("kmeans"), self.params.kmeans_iterations)
         for cluster in np.unique(labels):
             members = [ids[j] for j in np.flatnonzero(labels == cluster)]

@@ -23,8 +23,17 @@ personalisation risk. Server training runs through ``ctx.executor.map``, one job
 cluster, like client work.
 
 Decisions where the paper is silent (documented, parameters): server models train with
-Adam (``server_lr`` 1e-3) and batch ``distill_batch_size``; clients distil with the run's
-optimiser (``training``); E0 = 5; 5 server epochs in round 1 and 1 per later round.
+Adam (``server_lr`` 1e-3) and batch ``distill_batch_size``, over every sample of U in
+every epoch (no ``drop_last``: the server is not a small client); clients distil with the
+run's optimiser and ``training.drop_last``; E0 = 5, then ``finetune_epochs`` (default
+``training.local_epochs``) per later round; 5 server epochs in round 1 and 1 per later
+round. Eq. (1)'s sum over U is a per-batch mean (a learning-rate scale). Every client must
+take part in round 1 (``experiment.participation = 1``): clusters are formed once, from the
+round-1 uploads, and a client missing then would never have a server model.
+
+Devices: augmentations (crop offset, flip mask, noise) are drawn on a seeded CPU generator
+and moved to the data's device, so CPU runs are bit-identical to before and CUDA runs draw
+the same augmentations (see ``plugins.codistill``).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from attrs import define, field
 from pfl_core import SpecError, hookimpl
 from pfl_core.context import clone_state, load_state
 from pfl_core.registry import MODEL, resolve
-from pfl_core.spec import at_least, finite, greater_than
+from pfl_core.spec import FieldError, at_least, finite, greater_than
 from plugins.codistill import (
     DTYPES,
     CodistillParams,
@@ -46,9 +55,15 @@ from plugins.codistill import (
     distill,
     kl_to_target,
     mean_l1_distances,
-    positive_or_auto,
     predict,
 )
+
+
+def positive_or_auto(_instance, attribute, value):
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0) or value != value:
+        raise FieldError(attribute.name, f'must be a number > 0 or "auto", got {value!r}')
 
 
 @define
@@ -94,15 +109,18 @@ def auto_clusters(distances: np.ndarray, max_clusters: int) -> tuple[float, list
 
 
 def augment(x: torch.Tensor, generator: torch.Generator, noise_std: float) -> torch.Tensor:
-    """A random point of x's transformation ball: crop (pad 2) and flip for images, noise."""
+    """A random point of x's transformation ball: crop (pad 2) and flip for images, noise.
+
+    ``generator`` is a CPU generator; the flip mask and the noise are drawn on the CPU and
+    moved to ``x``'s device (same numbers on every device)."""
     if x.dim() == 4:
         n, _, h, w = x.shape
         padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="replicate")
         dy, dx = (int(v) for v in torch.randint(0, 5, (2,), generator=generator))
         x = padded[:, :, dy : dy + h, dx : dx + w]
-        flip = torch.rand(n, generator=generator) < 0.5
+        flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
         x = torch.where(flip[:, None, None, None], x.flip(3), x)
-    return x + noise_std * torch.randn(x.shape, generator=generator)
+    return x + noise_std * torch.randn(x.shape, generator=generator).to(x.device)
 
 
 def consistency_term(params: CosmosParams, generator: torch.Generator):
@@ -128,6 +146,10 @@ class Cosmos(PublicPredictionMethod):
     def check_spec(self, spec):
         super().check_spec(spec)
         resolve(MODEL, self.params.server_arch, f"{self.spec_path}.params.server_arch")
+        if spec.experiment.participation < 1:
+            raise SpecError("experiment.participation",
+                            f"{self.name} clusters every client once, on the round-1 uploads: "
+                            f"needs participation = 1, got {spec.experiment.participation}")
 
     @hookimpl
     def setup(self, ctx):
@@ -178,7 +200,7 @@ class Cosmos(PublicPredictionMethod):
         state = ctx.server["cluster_models"].get(k)
         load_state(model, state if state is not None else ctx.models.initial_state(arch))
         targets = torch.stack([predictions[i] for i in members if i in predictions]).mean(dim=0)
-        generator = torch.Generator().manual_seed(ctx.seed_for(f"server_cluster_{k}"))
+        generator = ctx.generator(f"server_cluster_{k}")  # batch order and augmentations
         distill(model, torch.optim.Adam(model.parameters(), lr=p.server_lr), ctx.data.public.x, targets,
                 epochs=epochs, batch_size=p.distill_batch_size, temperature=p.temperature,
                 generator=generator, extra_term=consistency_term(p, generator))
@@ -191,7 +213,7 @@ class Cosmos(PublicPredictionMethod):
         models = super().personalized_models(ctx, client)
         cluster_models = ctx.server.get("cluster_models", {})
         for k, members in enumerate(ctx.server.get("clusters", [])):
-            if client.id in members and k in cluster_models:
+            if client.id in members and k in cluster_models:  # h_pi(i): the paper's personalisation risk
                 server = ctx.models.working(self.params.server_arch, slot="server")
-                models = {"": models[""], "server_": load_state(server, cluster_models[k])}
+                models["server_"] = load_state(server, cluster_models[k])
         return models
