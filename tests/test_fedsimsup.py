@@ -129,7 +129,8 @@ def test_r_equal_one_is_local_training_of_the_summed_model_bit_for_bit():
             for params, epochs in ((sup.parameters(), 2), (theta.parameters(), 1)):
                 run_epochs(summed, make_optimizer(params, spec.training), data.train_x, data.train_y,
                            epochs=epochs, batch_size=spec.training.batch_size, loss_fn=ce,
-                           generator=seeding.torch_generator(spec.experiment.seed, "train", r, i))
+                           generator=seeding.torch_generator(spec.experiment.seed, "train", r, i),
+                           drop_last=spec.training.drop_last)
         for key, value in theta.state_dict().items():
             assert torch.equal(ctx.server["theta"][i][key], value), (i, key)
         for key, value in sup.state_dict().items():
@@ -201,3 +202,227 @@ def test_similarity_ablation_changes_the_mixing():
 def engine_run(overrides):
     engine = Engine(resolve(tiny_raw(**overrides)), progress=False)
     return engine.run(), engine
+
+
+# -- the local update, the evaluated model, what is sent ------------------------------------
+
+LINEAR = {"model.params.hidden": [], "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": []}},
+          "data.params.num_classes": 3, "data.params.dim": 5, "data.params.samples_per_device": 20,
+          "training.batch_size": 64, "training.lr": 0.5}  # logistic regressions; one batch per epoch
+
+
+def hand_step(W, b, X, onehot, W_other, b_other, lr):
+    """One full-batch SGD step on (W, b) of mean CE(softmax(X (W + W_o)^T + b + b_o))."""
+    z = X @ (W + W_other).T + b + b_other
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    g = (p - onehot) / len(X)
+    return W - lr * g.T @ X, b - lr * g.sum(0)
+
+
+def hand_local_update(theta, sup, X, y, order, lr):
+    onehot = np.eye(3)[y]
+    parts = {"theta": [theta[0].copy(), theta[1].copy()], "s": [sup[0].copy(), sup[1].copy()]}
+    for part, epochs in order:
+        other = parts["s" if part == "theta" else "theta"]
+        for _ in range(epochs):
+            parts[part] = list(hand_step(*parts[part], X, onehot, *other, lr))
+    return parts
+
+
+def test_local_update_supervisor_first_then_theta_by_hand():
+    engine, ctx = engine_for(**LINEAR, **{"algorithm.params.tau_s": 2, "algorithm.params.tau_theta": 1})
+    ctx.round = 1
+    gen = torch.Generator().manual_seed(5)
+    theta0 = {"fc1.weight": torch.randn(3, 5, generator=gen), "fc1.bias": torch.randn(3, generator=gen)}
+    sup0 = {"fc1.weight": torch.randn(3, 5, generator=gen), "fc1.bias": torch.randn(3, generator=gen)}
+    ctx.server["theta"][1] = clone_state(theta0)
+    ctx.store[1]["supervisor"] = clone_state(sup0)
+    client = ctx.client(1)
+    assert client.num_train < 64
+    ctx.hooks.on_receive(ctx=ctx, client=client, message=ctx.hooks.on_broadcast(ctx=ctx, client_id=1))
+    theta, sup = client.model, client.scratch["supervisor"]
+    phases, train = [], client.train
+
+    def spy(**kw):  # which part each call to the training loop changed, bit for bit
+        before = clone_state(theta), clone_state(sup)
+        out = train(**kw)
+        phases.append(tuple(any(not torch.equal(m.state_dict()[k], old[k]) for k in old)
+                            for m, old in zip((theta, sup), before)))
+        return out
+    client.train = spy
+    ctx.hooks.local_train(ctx=ctx, client=client)
+    assert phases == [(False, True), (True, False)]  # tau_s: only s moves; tau_theta: only theta
+    assert all(p.requires_grad for p in [*theta.parameters(), *sup.parameters()])  # unfrozen afterwards
+
+    X, y = client.data.train_x.double().numpy(), client.data.train_y.numpy()
+    as_np = lambda st: [st["fc1.weight"].double().numpy(), st["fc1.bias"].double().numpy()]  # noqa: E731
+    ours = hand_local_update(as_np(theta0), as_np(sup0), X, y, [("s", 2), ("theta", 1)], 0.5)
+    swapped = hand_local_update(as_np(theta0), as_np(sup0), X, y, [("theta", 1), ("s", 2)], 0.5)
+    got = {"theta": as_np(theta.state_dict()), "s": as_np(sup.state_dict())}
+    for part in ("theta", "s"):
+        for g, e, w in zip(got[part], ours[part], swapped[part]):
+            np.testing.assert_allclose(g, e, atol=1e-5)
+            assert np.abs(e - w).max() > 1e-3  # the swapped order is a different update
+    for key, value in sup.state_dict().items():  # the supervisor stays on the client
+        assert torch.equal(ctx.store[1]["supervisor"][key], value)
+
+
+def test_evaluated_model_is_the_sum_of_theta_and_the_supervisor():
+    engine, ctx = engine_for(**{"experiment.participation": 0.5})
+    engine.run_round(ctx, 1)
+    sat_out = next(i for i in range(4) if i not in ctx.participants)
+    x = ctx.data.clients[0].test_x
+    for i in (ctx.participants[0], sat_out):
+        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        inter = load_state(ctx.models.build("mlp"), ctx.server["theta"][i])
+        from plugins.fedsimsup import build_supervisor
+        sup = build_supervisor(ctx, "mlp", "algorithm")
+        if i in ctx.participants:
+            load_state(sup, ctx.store[i]["supervisor"])
+        else:
+            assert "supervisor" not in ctx.store[i]  # never trained: the seeded initial supervisor
+        with torch.no_grad():
+            assert torch.allclose(model(x), inter(x) + sup(x), atol=1e-6)
+            assert not torch.allclose(model(x), inter(x), atol=1e-3)
+
+
+def spy_uploads(ctx):
+    uploads, original = {}, ctx.hooks.client_upload
+
+    def spy(**kw):
+        message = original(**kw)
+        uploads[kw["client"].id] = {"keys": set(message), "theta": clone_state(message["theta"]),
+                                    "label_proportions": message.get("label_proportions")}
+        return message
+    ctx.hooks.client_upload = spy
+    return uploads
+
+
+def test_uploads_are_theta_only_and_stored_as_sent():
+    engine, ctx = engine_for(**{"experiment.participation": 0.5, "experiment.rounds": 3})
+    uploads = spy_uploads(ctx)
+    sent = set()
+    for r in (1, 2, 3):
+        uploads.clear()
+        engine.run_round(ctx, r)
+        for j in ctx.participants:
+            up = uploads[j]
+            first = j not in sent
+            assert up["keys"] == ({"theta", "label_proportions"} if first else {"theta"})  # p_j once
+            assert set(up["theta"]) == set(ctx.models.working("mlp").state_dict())  # theta, not s
+            for key, value in up["theta"].items():  # Eq. 6: no aggregation for participants
+                assert torch.equal(ctx.server["theta"][j][key], value), (r, j, key)
+            if first:
+                counts = ctx.data.clients[j].label_counts("train", ctx.num_classes)
+                assert torch.allclose(up["label_proportions"], torch.tensor(counts / counts.sum(), dtype=torch.float32))
+            sent.add(j)
+
+
+def test_non_participants_mixed_by_hand_across_the_beta_boundary():
+    # T = 4, C = 0.75, gamma = 0.5: C T^gamma = 1.5, so beta_1 = 1 and beta_2 = (1.5 / 2)^2
+    raw = {"experiment.participation": 0.5, "experiment.rounds": 4, "algorithm.params.C": 0.75,
+           "algorithm.params.gamma": 0.5, "partition.scheme": "dirichlet", "partition.params": {"alpha": 0.5}}
+    engine, ctx = engine_for(**raw)
+    counts = np.stack([ctx.data.clients[i].label_counts("train", ctx.num_classes) for i in range(4)]).astype(float)
+    m = counts.sum(1)
+    unit = counts / np.linalg.norm(counts, axis=1, keepdims=True)  # cosine of proportions = of counts
+    s = unit @ unit.T
+    assert len({round(v, 6) for v in s[np.triu_indices(4, 1)]}) > 2  # the weights really differ
+    for r, beta in ((1, 1.0), (2, 0.5625)):
+        before = {i: clone_state(ctx.server["theta"][i]) for i in range(4)}
+        engine.run_round(ctx, r)
+        assert ctx.round_metrics["beta"] == pytest.approx(beta)
+        part = ctx.participants
+        assert len(part) == 2
+        for i in set(range(4)) - set(part):
+            a = m[part].sum() / (m[part].sum() + 2 * m[i]) * beta  # Eq. 8-9, K = 2
+            w = s[i, part] / s[i, part].sum()
+            for key, old in before[i].items():
+                mix = w[0] * ctx.server["theta"][part[0]][key] + w[1] * ctx.server["theta"][part[1]][key]
+                assert torch.allclose(ctx.server["theta"][i][key], (1 - a) * old + a * mix, atol=1e-6), (r, i, key)
+
+
+def test_local_work_is_both_phases_and_matches_what_runs():
+    raw = tiny_raw(**SUP, **{"algorithm.params.tau_s": 2, "algorithm.params.tau_theta": 1,
+                             "experiment.rounds": 2, "training.drop_last": False})
+    resolved = resolve(raw)
+    assert resolved.as_dict["budget"]["private_epochs_per_round"] == 3
+    result = Engine(resolved, progress=False).run()
+    assert result.final["budget.private_epochs"] == pytest.approx(2 * 3)  # every client, every round
+
+
+# -- cold start -------------------------------------------------------------------------------
+
+from plugins.fedsimsup import build_supervisor, coldstart_schedule, newcomer_theta  # noqa: E402
+
+COLD = {"experiment.coldstart_clients": 1, "experiment.participation": 0.5, "experiment.rounds": 2,
+        "partition.scheme": "dirichlet", "partition.params": {"alpha": 0.5}}
+
+
+def test_coldstart_schedule_follows_the_local_update_for_the_newcomer_budget():
+    assert coldstart_schedule(1, 1, 0) == []
+    assert coldstart_schedule(1, 1, 1) == [("s", 1)]
+    assert coldstart_schedule(1, 1, 3) == [("s", 1), ("theta", 1), ("s", 1)]
+    assert coldstart_schedule(2, 1, 5) == [("s", 2), ("theta", 1), ("s", 2)]
+    assert coldstart_schedule(0, 2, 3) == [("theta", 3)]
+    assert coldstart_schedule(0, 0, 3) == []
+
+
+def test_newcomer_theta_is_the_similarity_mix_with_the_data_size_fallback():
+    ctx = types.SimpleNamespace(
+        params=FedSimSup().params,
+        server={"theta": {0: {"w": torch.tensor([1.0])}, 1: {"w": torch.tensor([4.0])}},
+                "proportions": {0: np.array([1.0, 0.0, 0.0]), 1: np.array([0.0, 1.0, 0.0])},
+                "sizes": {0: 30, 1: 10},
+                "newcomer_proportions": {7: np.array([0.6, 0.8, 0.0]), 8: np.array([0.0, 0.0, 1.0])}})
+    # s_70 = 0.6, s_71 = 0.8 -> (0.6 * 1 + 0.8 * 4) / 1.4
+    assert newcomer_theta(ctx, 7)["w"].item() == pytest.approx(3.8 / 1.4)
+    # no shared class: data sizes 30, 10 -> (30 * 1 + 10 * 4) / 40
+    assert newcomer_theta(ctx, 8)["w"].item() == pytest.approx(70 / 40)
+    assert set(ctx.server["theta"]) == {0, 1}  # newcomers are not stored among the mixed models
+
+
+def test_coldstart_starts_from_the_hand_computed_mix_then_trains():
+    engine, ctx = engine_for(**COLD, **{"experiment.coldstart_epochs": 2})
+    for r in (1, 2):
+        engine.run_round(ctx, r)
+    (n,) = ctx.coldstart_clients
+    trained = ctx.training_clients
+    counts = {i: ctx.data.clients[i].label_counts("train", ctx.num_classes).astype(float) for i in range(4)}
+    cos = {j: counts[n] @ counts[j] / np.linalg.norm(counts[n]) / np.linalg.norm(counts[j]) for j in trained}
+    assert sum(cos.values()) > 0
+    expected = {k: sum(cos[j] * ctx.server["theta"][j][k] for j in trained) / sum(cos.values())
+                for k in ctx.server["theta"][trained[0]]}
+    initial_sup = build_supervisor(ctx, "mlp", "algorithm").state_dict()
+
+    client = ctx.client(n)
+    starts, train = [], client.train
+
+    def spy(**kw):
+        starts.append((clone_state(client.model), clone_state(client.scratch["supervisor"])))
+        return train(**kw)
+    client.train = spy
+    up, down = ctx.comm_up, ctx.comm_down
+    models = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)
+    theta_start, sup_start = starts[0]
+    for key, value in expected.items():  # before fine-tuning: the similarity mix ...
+        assert torch.allclose(theta_start[key], value, atol=1e-6), key
+    for key, value in initial_sup.items():  # ... and a fresh seeded supervisor
+        assert torch.equal(sup_start[key], value), key
+    assert len(starts) == 2  # coldstart_epochs = 2: one supervisor epoch, then one theta epoch
+    assert torch.equal(starts[1][0]["fc1.weight"], theta_start["fc1.weight"])  # theta frozen in the s epoch
+    assert not torch.equal(client.model.state_dict()["fc1.weight"], theta_start["fc1.weight"])  # then trained
+    assert ctx.comm_up - up == ctx.num_classes * 4  # the newcomer's label proportions, float32
+    assert ctx.comm_down - down == sum(v.numel() * v.element_size() for v in expected.values())
+    x = client.data.test_x
+    with torch.no_grad():
+        assert torch.allclose(models[""](x), client.model(x) + client.scratch["supervisor"](x))
+    assert n not in ctx.server["theta"]
+
+
+def test_a_run_with_coldstart_clients_finishes():
+    result, engine = engine_run({**SUP, **COLD, "experiment.coldstart_clients": 2})
+    assert not result.errors
+    assert "coldstart_acc_mean" in result.final and "acc_mean" in result.final
+    assert sum(row["coldstart"] for row in result.client_rows) == 2

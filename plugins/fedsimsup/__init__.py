@@ -44,6 +44,21 @@ Decisions where paper and METHODS.md are silent (also in docs/reproductions.md):
   upload; a client that never participates has its vector used but never counted.
 - Evaluation: client i is scored with the server's current theta_i (the one it would receive
   next, mixed if it sat out) plus its own supervisor.
+- Cold start (``experiment.coldstart_clients``; the paper has no newcomer protocol, this
+  follows its mixing rule). The newcomer n sends its label-proportion vector p_n once (its
+  bytes are added to the upload count), and the server answers with
+      theta_n = sum_j s_nj theta_j / sum_j s_nj,   s_nj = cos(p_n, p_j)          (Eq. 7 with a_n = 1)
+  over the stored inter-learning models of every training client j (with ``weighting``
+  applied as in Eq. 7: all s_nj = 0 falls back to data sizes m_j / sum m). Other newcomers'
+  models never enter the mix. The newcomer's supervisor starts from the seeded initial
+  supervisor weights. It then trains ``experiment.coldstart_epochs`` epochs in the order of
+  the usual local update: tau_s supervisor epochs (theta frozen), tau_theta inter-learning
+  epochs (s frozen), repeated, cut off after ``coldstart_epochs`` epochs in all, so a
+  newcomer gets the same number of passes over its data as every other method's newcomer
+  (with tau_s = tau_theta = 1 and ``coldstart_epochs = 1`` only the supervisor trains; 0
+  scores the starting model, the mix plus a fresh supervisor).
+- Budget (``local_work``): tau_s + tau_theta private epochs per round; each epoch is one pass
+  over the client's train split, whichever part of the summed model it trains.
 """
 
 from __future__ import annotations
@@ -56,7 +71,10 @@ from attrs import define, field
 from torch import nn
 
 from pfl_core import Plugin, hookimpl, registry, seeding
+from pfl_core.aggregate import weighted_average
+from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
+from pfl_core.payload import nbytes
 from pfl_core.spec import at_least, between, finite, greater_than, one_of
 from plugins.fedavg import require_single_architecture
 
@@ -77,6 +95,12 @@ class FedSimSupParams:
 
 
 # -- the paper's equations, as plain functions ------------------------------------------
+
+
+def label_proportions(counts) -> np.ndarray:
+    """p_i = |D_i^c| / |D_i| per class c (rows of ``counts``; an empty row stays 0)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    return counts / np.maximum(counts.sum(axis=-1, keepdims=True), 1)
 
 
 def cosine_similarity(proportions: np.ndarray) -> np.ndarray:
@@ -137,6 +161,22 @@ def mix_non_participants(thetas, participants, similarity, sizes, beta, weightin
     return alphas
 
 
+def coldstart_schedule(tau_s: int, tau_theta: int, epochs: int) -> list[tuple[str, int]]:
+    """The first ``epochs`` epochs of the local update repeated (tau_s on "s", then tau_theta
+    on "theta", then again), as [(part, consecutive epochs), ...]."""
+    cycle = ["s"] * tau_s + ["theta"] * tau_theta
+    if not cycle:
+        return []
+    plan: list[tuple[str, int]] = []
+    for e in range(epochs):
+        part = cycle[e % len(cycle)]
+        if plan and plan[-1][0] == part:
+            plan[-1] = (part, plan[-1][1] + 1)
+        else:
+            plan.append((part, 1))
+    return plan
+
+
 # -- the summed model ----------------------------------------------------------------------
 
 
@@ -182,6 +222,9 @@ class FedSimSup(Plugin):
     name = "fedsimsup"
     Params = FedSimSupParams
 
+    def local_work(self, spec) -> LocalWork:
+        return LocalWork(float(self.params.tau_s + self.params.tau_theta))  # Eq. 11 + Eq. 12 epochs
+
     @hookimpl
     def check_spec(self, spec):
         require_single_architecture(spec, self.name)  # Eq. 7 averages inter-learning models
@@ -193,8 +236,8 @@ class FedSimSup(Plugin):
         clients = ctx.training_clients
         arch = ctx.models.arch_of(clients[0])
         m = {i: ctx.data.clients[i].num_train for i in clients}
-        counts = np.stack([ctx.data.clients[i].label_counts("train", ctx.num_classes) for i in clients])
-        proportions = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+        proportions = label_proportions(
+            np.stack([ctx.data.clients[i].label_counts("train", ctx.num_classes) for i in clients]))
         sim = cosine_similarity(proportions)
         ctx.server["theta"] = {i: clone_state(ctx.models.initial_state(arch)) for i in clients}
         ctx.server["similarity"] = {i: {j: float(sim[a, b]) for b, j in enumerate(clients)}
@@ -213,7 +256,9 @@ class FedSimSup(Plugin):
 
     @hookimpl
     def on_broadcast(self, ctx, client_id):
-        return {"theta": ctx.server["theta"][client_id]}  # Alg. 1 line 7
+        if client_id in ctx.server["theta"]:
+            return {"theta": ctx.server["theta"][client_id]}  # Alg. 1 line 7
+        return {"theta": newcomer_theta(ctx, client_id)}  # a cold-start client: its similarity mix
 
     @hookimpl
     def on_receive(self, ctx, client, message):
@@ -223,21 +268,8 @@ class FedSimSup(Plugin):
 
     @hookimpl
     def local_train(self, ctx, client):
-        theta, sup = client.model, client.scratch["supervisor"]
-        model = Summed(theta, sup)
-        metrics = {}
-        theta.requires_grad_(False)  # Eq. 11: tau_s epochs on s_i, theta_i frozen
-        try:
-            if self.params.tau_s:
-                metrics = client.train(model=model, epochs=self.params.tau_s,
-                                       optimizer=client.optimizer(params=sup.parameters()))
-        finally:
-            theta.requires_grad_(True)
-        sup.requires_grad_(False)  # Eq. 12: tau_theta epochs on theta_i, s_i frozen
-        if self.params.tau_theta:
-            metrics = client.train(model=model, epochs=self.params.tau_theta,
-                                   optimizer=client.optimizer(params=theta.parameters()))
-        client.state["supervisor"] = clone_state(sup)  # kept locally, never uploaded
+        metrics = local_update(client, [("s", self.params.tau_s), ("theta", self.params.tau_theta)])
+        client.state["supervisor"] = clone_state(client.scratch["supervisor"])  # kept locally, never uploaded
         return metrics
 
     @hookimpl
@@ -271,6 +303,49 @@ class FedSimSup(Plugin):
         load_state(client.model, ctx.server["theta"][client.id])
         return {"": Summed(client.model, self._supervisor(ctx, client))}
 
+    @hookimpl
+    def coldstart_personalize(self, ctx, client):
+        """A newcomer: send p_n, receive its similarity mix, train (module docstring)."""
+        upload = {"label_proportions": torch.as_tensor(
+            label_proportions(client.data.label_counts("train", ctx.num_classes)), dtype=torch.float32)}
+        ctx.comm_up += nbytes(upload)  # sent once, like a training client's first upload
+        ctx.server.setdefault("newcomer_proportions", {})[client.id] = upload["label_proportions"].double().numpy()
+        self.on_receive(ctx, client, ctx.broadcast(client.id))  # no stored supervisor: the seeded initial one
+        p = self.params
+        local_update(client, coldstart_schedule(p.tau_s, p.tau_theta, ctx.spec.experiment.coldstart_epochs))
+        return {"": Summed(client.model, client.scratch["supervisor"])}
+
+
+def local_update(client, phases) -> dict:
+    """LocalUpdate of Alg. 1 on the working theta and ``client.scratch["supervisor"]``:
+    for each (part, epochs) in ``phases``, SGD on that part of the summed model with the other
+    part frozen (Eq. 11 for "s", Eq. 12 for "theta")."""
+    theta, sup = client.model, client.scratch["supervisor"]
+    model = Summed(theta, sup)
+    metrics = {}
+    for part, epochs in phases:
+        if not epochs:
+            continue
+        trained, frozen = (sup, theta) if part == "s" else (theta, sup)
+        frozen.requires_grad_(False)
+        try:
+            metrics = client.train(model=model, epochs=epochs, optimizer=client.optimizer(params=trained.parameters()))
+        finally:
+            frozen.requires_grad_(True)
+    return metrics
+
+
+def newcomer_theta(ctx, client_id: int) -> dict:
+    """theta_n = sum_j w_nj theta_j over every training client's stored theta_j, with the Eq. 7
+    weights of ``mixing_weights`` (s_nj normalised; data sizes if all s_nj are 0)."""
+    stored = ctx.server["theta"]
+    clients = list(stored)
+    p_new = ctx.server["newcomer_proportions"][client_id]
+    sim = cosine_similarity(np.stack([p_new, *(ctx.server["proportions"][j] for j in clients)]))[0, 1:]
+    row = {client_id: {j: float(s) for j, s in zip(clients, sim)}}
+    w = mixing_weights(client_id, clients, row, ctx.server["sizes"], ctx.params.weighting)
+    return weighted_average((w[j], stored[j]) for j in clients)
+
 
 def supervisor_ratio(ctx) -> float:
     """Supervisor parameters / inter-learning model parameters (client 0)."""
@@ -279,5 +354,6 @@ def supervisor_ratio(ctx) -> float:
     return count(sup) / count(ctx.models.working(ctx.models.arch_of(0)))
 
 
-__all__ = ["FedSimSup", "FedSimSupParams", "beta_schedule", "cosine_similarity", "lambdas",
-           "mix_non_participants", "mixing_weights", "supervisor_ratio", "Summed"]
+__all__ = ["FedSimSup", "FedSimSupParams", "beta_schedule", "coldstart_schedule", "cosine_similarity",
+           "label_proportions", "lambdas", "local_update", "mix_non_participants", "mixing_weights",
+           "newcomer_theta", "supervisor_ratio", "Summed"]
