@@ -1,0 +1,148 @@
+"""Repeats over seeds: every seed is a whole experiment, the parent run holds mean, std and the
+95% interval, the comparison shows paired differences; bad seeds are one-line errors."""
+
+import math
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pfl_core import stats
+from pfl_core.engine import Engine, resolve
+from pfl_core.runner import PointResult, print_comparison, run_spec_file
+from pfl_core.engine import RunResult
+from test_cli import one_line_error, run_cli, write_spec
+from tiny import tiny_raw
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def test_summary_matches_a_hand_computed_t_interval():
+    s = stats.summarize([0.70, 0.74, 0.78])
+    assert s.mean == pytest.approx(0.74)
+    assert s.std == pytest.approx(0.04)  # sample std (ddof = 1), not the population's 0.0327
+    # t_{0.975, 2} = 4.302653; half-width = t * s / sqrt(3)
+    assert s.ci95 == pytest.approx(4.302653 * 0.04 / math.sqrt(3), rel=1e-6)
+    assert not math.isnan(s.ci95)
+    one = stats.summarize([0.5])
+    assert one.mean == 0.5 and math.isnan(one.std) and math.isnan(one.ci95) and not one.excludes_zero
+
+
+def test_paired_difference_uses_the_pairs_not_the_two_means():
+    # Both methods vary a lot across seeds, but B is always exactly 0.01 above A.
+    a = [0.50, 0.70, 0.90]
+    b = [0.51, 0.71, 0.91]
+    d = stats.paired_difference(b, a)
+    assert d.mean == pytest.approx(0.01)
+    assert d.ci95 == pytest.approx(0.0, abs=1e-12)
+    assert d.excludes_zero
+    # unpaired, the intervals of the two means overlap completely
+    assert stats.summarize(a).high > stats.summarize(b).low
+    with pytest.raises(ValueError):
+        stats.paired_difference([1.0, 2.0], [1.0])
+
+
+def test_an_interval_that_contains_zero_is_not_marked():
+    d = stats.paired_difference([0.52, 0.48, 0.51], [0.50, 0.50, 0.50])
+    assert d.low < 0 < d.high and not d.excludes_zero
+    assert stats.paired_difference([0.40, 0.42, 0.41], [0.50, 0.50, 0.51]).excludes_zero  # below 0 too
+
+
+def _point(name, seeds, accs):
+    runs = [RunResult(history=[], client_rows=[], final={"acc_mean": a, "comm_up_bytes": 0.0}) for a in accs]
+    return PointResult(name, seeds, runs, {"acc_mean": stats.summarize(accs),
+                                           "comm_up_bytes": stats.summarize([0.0] * len(accs))})
+
+
+def test_comparison_marks_only_differences_whose_interval_excludes_zero(capsys):
+    import sys
+
+    ref = _point("local", [0, 1, 2], [0.80, 0.85, 0.90])
+    better = _point("steady", [0, 1, 2], [0.82, 0.87, 0.92])  # +0.02 on every seed
+    noisy = _point("noisy", [0, 1, 2], [0.90, 0.80, 0.90])  # +0.10, -0.05, 0.00
+    print_comparison([ref, better, noisy], "noisy", sys.stdout)  # compare_to another entry
+    out = capsys.readouterr().out
+    assert "Δacc_mean vs noisy" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip().split(" ")[0] in ("local", "steady")}
+    assert rows["steady"].rstrip().endswith("*") is False  # steady vs noisy: not significant
+    print_comparison([ref, better, noisy], "local", sys.stdout)
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.strip().startswith("steady"))
+    assert "+0.0200 [+0.0200, +0.0200] *" in line
+    line = next(l for l in out.splitlines() if l.strip().startswith("noisy"))
+    assert "*" not in line
+
+
+# -- the spec key ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[]", "at least one seed"),
+    ("[0, 0]", "more than once"),
+    ("[1, -2]", ">= 0"),
+    ("[0, 1.5]", "integer"),
+    ('"0,1"', "expected a list"),
+    ("[true]", "integer"),
+])
+def test_bad_seeds_are_one_line_naming_the_key(tmp_path, capsys, value, message):
+    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--set", f"experiment.seeds={value}", "--dry-run")
+    line = one_line_error(err)
+    assert code == 2 and "experiment.seeds" in line and message in line
+
+
+def test_dry_run_shows_the_seeds(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--set", "experiment.seeds=[3,1]", "--dry-run")
+    assert code == 0
+    assert "seeds = [3, 1]" in out and "# seeds: 3, 1 (2 runs" in out
+
+
+def test_compare_to_must_name_a_run(tmp_path, capsys):
+    raw = tiny_raw(**{"experiment.compare_to": "fedprox"})
+    raw["sweep"] = {"algorithm.name": ["local", "fedavg"]}
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
+    line = one_line_error(err)
+    assert code == 2 and "experiment.compare_to" in line and "local, fedavg" in line
+
+
+# -- a repeated run --------------------------------------------------------------------------
+
+
+def test_each_seed_is_a_whole_experiment_equal_to_a_single_run_with_that_seed(tmp_path):
+    raw = tiny_raw(**{"experiment.rounds": 2, "experiment.seeds": [0, 5], "algorithm.name": "local"})
+    results = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True,
+                            out=open(tmp_path / "out.txt", "w"))
+    (point,) = results
+    assert point.seeds == [0, 5]
+    for seed, run in zip(point.seeds, point.runs):
+        single = Engine(resolve(tiny_raw(**{"experiment.rounds": 2, "experiment.seed": seed,
+                                            "algorithm.name": "local"})), progress=False).run()
+        assert run.final["acc_mean"] == single.final["acc_mean"]
+        assert [r["num_train"] for r in run.client_rows] == [r["num_train"] for r in single.client_rows]
+    # the seeds differ in partition (domain sizes are drawn) or training: not the same run twice
+    assert point.runs[0].client_rows != point.runs[1].client_rows
+    assert point.summary["acc_mean"].mean == pytest.approx(np.mean([r.final["acc_mean"] for r in point.runs]))
+
+
+def test_parent_run_holds_mean_std_ci95_and_the_seed_table_children_are_nested(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1, 2], "tracking.enabled": True})
+    (point,) = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri,
+                             out=open(tmp_path / "out.txt", "w"))
+    mlflow.set_tracking_uri(None)
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(point.run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{point.run_id}'")
+    assert sorted(c.data.params["experiment.seed"] for c in children) == ["0", "1", "2"]
+    accs = [c.data.metrics["acc_mean"] for c in children]
+    expected = stats.summarize(accs)
+    m = parent.data.metrics
+    assert m["acc_mean"] == pytest.approx(expected.mean)
+    assert m["acc_mean_std"] == pytest.approx(expected.std)
+    assert m["acc_mean_ci95"] == pytest.approx(expected.ci95)
+    assert parent.info.status == "FINISHED" and parent.data.params["experiment.seeds"] == "[0, 1, 2]"
+    path = client.download_artifacts(point.run_id, "results/seeds.csv", str(tmp_path))
+    lines = open(path).read().splitlines()
+    assert lines[0].startswith("seed,") and len(lines) == 4
