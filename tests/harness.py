@@ -1,0 +1,116 @@
+"""Drive the engine round by round and recompute what a method should have done, independently.
+
+Used by the baseline tests: a round is run by the engine, then the expected result is computed
+here from the method's definition (start state, which parameters train, which loss, which
+weights), with fresh modules that share nothing with the run's working model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from pfl_core.engine import Engine, resolve
+from tiny import tiny_raw
+
+
+def prepared(**overrides):
+    """An engine with its context prepared and ``setup`` run, before round 1: (engine, ctx)."""
+    engine = Engine(resolve(tiny_raw(**overrides)), progress=False)
+    ctx = engine.ctx = engine.prepare()
+    ctx.hooks.setup(ctx=ctx)
+    return engine, ctx
+
+
+def shrink(ctx, sizes: dict[int, int]) -> None:
+    """Keep only the first ``sizes[i]`` training samples of client i (unequal client sizes)."""
+    for i, n in sizes.items():
+        data = ctx.data.clients[i]
+        data.train_x, data.train_y = data.train_x[:n], data.train_y[:n]
+
+
+def cross_entropy(model, x, y, logits):
+    return F.cross_entropy(logits, y)
+
+
+def fresh_model(ctx, state, arch: str = "mlp"):
+    """A new module (not the run's working one) holding ``state``."""
+    model = ctx.models.build(arch)
+    with torch.no_grad():
+        own = model.state_dict()
+        for key, value in state.items():
+            own[key].copy_(value)
+    return model
+
+
+def train_reference(ctx, client_id, state, *, trainable=None, epochs=None, loss_fn=cross_entropy):
+    """What ``client_id`` gets from ``state`` after plain local SGD in the current round.
+
+    ``trainable``: the state-dict keys that train (default: all); the rest get no gradient.
+    The batch order is the client's seeded one for ``ctx.round`` (``Client.generator``).
+    """
+    model = fresh_model(ctx, state)
+    names = [n for n, _ in model.named_parameters()] if trainable is None else list(trainable)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names)
+    params = [p for n, p in model.named_parameters() if n in names]
+    client = ctx.client(client_id)
+    optimizer = torch.optim.SGD(params, lr=ctx.spec.training.lr)
+    client.train(model=model, epochs=epochs, optimizer=optimizer, loss_fn=loss_fn)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def mean_of(pairs, keys=None):
+    """sum_i w_i * state_i[key], written out (not pfl_core.aggregate)."""
+    pairs = list(pairs)
+    keys = list(pairs[0][1]) if keys is None else keys
+    return {k: sum(w * s[k].double() for w, s in pairs).float() for k in keys}
+
+
+def assert_close(a, b, keys=None, atol=1e-6):
+    for key in (a.keys() if keys is None else keys):
+        assert torch.allclose(a[key].float(), b[key].float(), rtol=0, atol=atol), key
+
+
+def assert_same(a, b, keys=None):
+    keys = list(a.keys() if keys is None else keys)
+    for key in keys:
+        assert torch.equal(a[key], b[key]), key
+
+
+def far_apart(a, b, keys, atol=1e-4) -> bool:
+    """Some entry of ``keys`` differs by more than ``atol`` (checks that a test can tell them apart)."""
+    return any((a[k].float() - b[k].float()).abs().max() > atol for k in keys)
+
+
+def state_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def model_bytes(state, keys=None):
+    keys = state.keys() if keys is None else keys
+    return sum(state[k].numel() * state[k].element_size() for k in keys)
+
+
+@contextlib.contextmanager
+def recorded_training(monkeypatch):
+    """Record every ``Client.train`` call: the model's state before and after, which
+    parameters could train, and the epochs asked for."""
+    from pfl_core.context import Client
+
+    calls = []
+    original = Client.train
+
+    def spy(self, model=None, **kwargs):
+        target = self.model if model is None else model
+        before = state_of(target)
+        trainable = {n for n, p in target.named_parameters() if p.requires_grad}
+        out = original(self, model, **kwargs)
+        calls.append({"client": self.id, "before": before, "after": state_of(target), "trainable": trainable,
+                      "epochs": kwargs.get("epochs"), "model": target})
+        return out
+
+    monkeypatch.setattr(Client, "train", spy)
+    yield calls
