@@ -55,3 +55,108 @@ def test_bad_lambda_names_the_key():
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{"algorithm.name": "fedproto", "algorithm.params.lam": -1.0}))
     assert info.value.path == "algorithm.params.lam"
+
+
+# -- the regulariser, the aggregation and the evaluated model, by hand ------------------------
+
+import types  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+from pfl_core.engine import Engine  # noqa: E402
+from plugins.fedproto import FedProto, capture_embedding  # noqa: E402
+
+
+def test_regulariser_sign_and_size_by_hand():
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[2.0, 0.0], [0.0, 1.0]]))
+        net[0].bias.copy_(torch.tensor([1.0, 0.0]))
+    x = torch.tensor([[3.0, 0.0], [5.0, 5.0], [0.0, 4.0]])
+    y = torch.tensor([0, 1, 2])  # class 1 has no global prototype: left out of the term
+    client = types.SimpleNamespace(scratch={"global": {0: torch.tensor([1.0, 0.0]), 2: torch.tensor([0.0, 2.0])}})
+    plugin = FedProto(FedProto.Params(lam=0.5))
+    with capture_embedding(net, client.scratch):
+        logits = net(x)
+    term = plugin.local_objective(ctx=None, client=client, model=net, x=x, y=y, logits=logits)
+    # embeddings (classifier inputs): (7, 0) and (1, 4); squared errors 36 + 0 and 1 + 4 over 4 entries
+    assert term.item() == pytest.approx(0.5 * 41 / 4)
+    term.backward()
+    # d/d b1 = lam * 2 / 4 * ((6, 0) + (1, 2)) = (1.75, 0.5): a descent step pulls f(x) toward C-bar^(y)
+    assert torch.allclose(net[0].bias.grad, torch.tensor([1.75, 0.5]))
+    assert plugin.local_objective(ctx=None, client=types.SimpleNamespace(scratch={"global": {}}),
+                                  model=net, x=x, y=y, logits=logits) is None  # round 1: CE only
+
+
+def prepared(**overrides):
+    engine = Engine(resolve(tiny_raw(**{"algorithm.name": "fedproto", **overrides})), progress=False)
+    ctx = engine.prepare()
+    ctx.hooks.setup(ctx=ctx)
+    return engine, ctx
+
+
+def embedding(ctx, weights, x):
+    """relu(fc1 x): the mlp [16]'s classifier input, by hand."""
+    return F.relu(x @ weights["fc1.weight"].T + weights["fc1.bias"])
+
+
+def test_prototypes_are_count_weighted_means_of_the_trained_embeddings():
+    engine, ctx = prepared(**{"partition.scheme": "dirichlet", "partition.params": {"alpha": 0.5}})
+    engine.run_round(ctx, 1)
+    sums, totals = {}, {}
+    for i in range(4):
+        data = ctx.data.clients[i]
+        emb = embedding(ctx, ctx.store[i]["weights"], data.train_x)
+        for c in data.train_y.unique().tolist():
+            mask = data.train_y == c
+            sums[c] = sums.get(c, 0) + emb[mask].sum(0)  # n_ic * (class mean) = the class's sum
+            totals[c] = totals.get(c, 0) + int(mask.sum())
+    assert set(ctx.server["prototypes"]) == set(sums)
+    for c, proto in ctx.server["prototypes"].items():
+        assert torch.allclose(proto, sums[c] / totals[c], atol=1e-5), c
+
+
+def test_prototypes_of_classes_nobody_reported_are_kept():
+    old = {0: torch.tensor([1.0]), 1: torch.tensor([2.0])}
+    ctx = types.SimpleNamespace(server={"prototypes": dict(old)})
+    FedProto().server_aggregate(ctx, iter([(3, {"prototypes": {1: torch.tensor([5.0])}, "counts": {1: 4}})]), {})
+    assert ctx.server["prototypes"] == {0: old[0], 1: torch.tensor([5.0])}
+
+
+def test_evaluated_model_is_the_nearest_global_prototype_on_the_own_embedding():
+    engine, ctx = prepared(**{"experiment.participation": 0.5})
+    for r in (1, 2):
+        engine.run_round(ctx, r)
+    protos = ctx.server["prototypes"]
+    classes = sorted(protos)
+    table = torch.stack([protos[c] for c in classes])
+    for i in range(4):
+        weights = ctx.store[i].get("weights") or ctx.models.initial_state("mlp")
+        x = ctx.data.clients[i].test_x
+        models = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))
+        with torch.no_grad():
+            dist = ((embedding(ctx, weights, x)[:, None, :] - table[None]) ** 2).sum(-1)
+            expected = torch.tensor(classes)[dist.argmin(1)]
+            assert torch.equal(models[""](x).argmax(1), expected)
+            own = embedding(ctx, weights, x) @ weights["fc2.weight"].T + weights["fc2.bias"]
+            assert torch.allclose(models["local_"](x), own, atol=1e-5)  # beside it: the own classifier
+
+
+def test_coldstart_trains_with_the_regulariser_and_is_scored_by_prototypes():
+    engine, ctx = prepared(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 1,
+                              "partition.scheme": "iid"})
+    engine.run_round(ctx, 1)
+    (n,) = ctx.coldstart_clients
+    assert set(ctx.data.clients[n].train_y.tolist()) <= set(ctx.server["prototypes"])
+    seen, original = [], ctx.hooks.local_objective
+
+    def spy(**kw):
+        terms = original(**kw)
+        seen.append(len(terms))
+        return terms
+    ctx.hooks.local_objective = spy
+    models = ctx.hooks.coldstart_personalize(ctx=ctx, client=ctx.client(n))
+    assert seen and all(k == 2 for k in seen)  # CE and the prototype term on every batch
+    assert set(models) == {"", "local_"} and models[""].prototypes is ctx.server["prototypes"]
+    result, _ = run_tiny(**{"algorithm.name": "fedproto", "experiment.rounds": 2, "experiment.coldstart_clients": 1})
+    assert not result.errors and "coldstart_acc_mean" in result.final

@@ -20,6 +20,11 @@ class this round (the printed equation has an extra 1/|N_j|, which would shrink 
 classes many clients hold). Global prototypes of classes nobody reported this round are
 kept from earlier rounds. A class with no global prototype gets logit -1e9 at inference
 (never predicted unless no class has one, in which case the model's own classifier is used).
+Evaluation reports the nearest-prototype prediction as the personalized model (``acc_*``)
+and the client's own classifier beside it (``local_acc_*``).
+Cold start: the newcomer receives the final global prototypes, starts from the seeded
+initial weights and trains ``experiment.coldstart_epochs`` epochs with the same objective
+(Eq. 4-5, the prototype regulariser included); it is scored like a training client.
 """
 
 from __future__ import annotations
@@ -130,10 +135,14 @@ class FedProto(Plugin):
         client.scratch["global"] = message["prototypes"]
         return True
 
+    def train(self, client, epochs=None):
+        """``epochs`` (default training.local_epochs) of SGD on CE + the prototype term."""
+        with capture_embedding(client.model, client.scratch):
+            return client.train(epochs=epochs)
+
     @hookimpl
     def local_train(self, ctx, client):
-        with capture_embedding(client.model, client.scratch):
-            metrics = client.train()
+        metrics = self.train(client)
         client.state["weights"] = clone_state(client.model)
         return metrics
 
@@ -161,10 +170,18 @@ class FedProto(Plugin):
         ctx.server["prototypes"] = {**ctx.server["prototypes"], **new}
         return True
 
+    def scored(self, ctx, model):
+        return {"": NearestPrototype(model, ctx.server["prototypes"], ctx.num_classes), "local_": model}
+
     @hookimpl
     def personalized_models(self, ctx, client):
-        return {"": NearestPrototype(self.load_personal(ctx, client), ctx.server["prototypes"], ctx.num_classes),
-                "local_": client.model}
+        return self.scored(ctx, self.load_personal(ctx, client))
+
+    @hookimpl
+    def coldstart_personalize(self, ctx, client):
+        self.on_receive(ctx, client, ctx.broadcast(client.id))  # initial weights + global prototypes
+        self.train(client, ctx.spec.experiment.coldstart_epochs)
+        return self.scored(ctx, client.model)
 
 
 __all__ = ["FedProto", "FedProtoParams", "aggregate_prototypes", "local_prototypes"]
