@@ -47,6 +47,8 @@ class PointResult:
     runs: list[RunResult]
     summary: dict[str, Summary]
     run_id: str | None = None
+    resolved_algorithm: str = ""
+    group: str = ""  # the non-algorithm sweep settings it shares with its references
 
     def values(self, metric: str) -> list[float]:
         return [r.final.get(metric, math.nan) for r in self.runs]
@@ -74,6 +76,66 @@ def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
     return " ".join([base, *extras])
 
 
+ALGORITHM_KEYS = ("algorithm", "algorithm.name")
+
+
+def _is_algorithm_key(key: str) -> bool:
+    return key in ALGORITHM_KEYS or key.startswith("algorithm.")
+
+
+def reference_points(points: list[Point]) -> list[tuple[str, Point]]:
+    """``experiment.reference`` baselines: once per spec (once per group of sweep points that
+    share everything but the algorithm), on the identical data and seeds."""
+    experiment = points[0].resolved.spec.experiment
+    if not experiment.reference:
+        return []
+    from . import registry
+
+    for i, name in enumerate(experiment.reference):
+        registry.resolve(registry.ALGORITHM, name, f"experiment.reference[{i}]")
+    out, seen = [], set()
+    for point in points:
+        shared = {k: v for k, v in point.settings.items() if not _is_algorithm_key(k)}
+        group = repr(sorted(shared.items()))
+        if group in seen:
+            continue
+        seen.add(group)
+        for name in experiment.reference:
+            raw = copy.deepcopy(point.raw)
+            raw["algorithm"] = {"name": name}
+            try:
+                ref = Point(shared, resolve(raw), raw)
+            except SpecError as exc:
+                raise SpecError(exc.path, f"{exc.message} (in the reference run {name!r}, experiment.reference)") from None
+            label = " ".join([f"{name} (reference)", *[f"{k.split('.')[-1]}={v}" for k, v in shared.items()]])
+            out.append((label, ref))
+    return out
+
+
+def same_run(a: Point, b: Point) -> bool:
+    """Two points that would produce the same runs (so a reference is not run twice)."""
+    strip = lambda d: {k: v for k, v in d.items() if k != "tracking"}  # noqa: E731
+    return strip(a.resolved.as_dict) == strip(b.resolved.as_dict)
+
+
+def gains(result: PointResult, references: list[PointResult]) -> dict[str, Summary]:
+    """gain_vs_local and gain_vs_best_reference of ``result``'s acc_mean, paired over seeds."""
+    if not references:
+        return {}
+    common = [s for s in result.seeds if all(s in r.seeds for r in references)]
+    if not common:
+        return {}
+    mine = dict(zip(result.seeds, result.values("acc_mean")))
+    refs = {r.name: dict(zip(r.seeds, r.values("acc_mean"))) for r in references}
+    out = {}
+    best = [max(ref[s] for ref in refs.values()) for s in common]
+    out["gain_vs_best_reference"] = paired_difference([mine[s] for s in common], best)
+    local = next((refs[r.name] for r in references if r.resolved_algorithm == "local"), None)
+    if local is not None:
+        out["gain_vs_local"] = paired_difference([mine[s] for s in common], [local[s] for s in common])
+    return out
+
+
 def check_compare_to(points: list[Point], names: list[str]) -> None:
     wanted = points[0].resolved.spec.experiment.compare_to
     if wanted and wanted not in names:
@@ -88,18 +150,49 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     points = resolve_points(load_toml(path), overrides)
     names = [run_name_for(p.resolved, p.settings) for p in points]
     check_compare_to(points, names)
+    references = reference_points(points)
     if dry_run:
         dry_run_report(points, out)
+        for label, _ in references:
+            print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
 
-    results = []
+    ref_results: list[PointResult] = []
+    for label, ref in references:
+        ref_results.append(run_point(ref, label, tracking_uri, quiet, out))
+        print_point(ref_results[-1], out)
+    results, reused_refs = [], set()
     for point, name in zip(points, names):
-        result = run_point(point, name, tracking_uri, quiet, out)
-        results.append(result)
-        print_point(result, out)
-    if len(points) > 1:
-        print_comparison(results, points[0].resolved.spec.experiment.compare_to or names[0], out)
-    return results
+        reused = next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
+        if reused is not None:  # this sweep point is one of the reference runs: not run twice
+            reused_refs.add(reused)
+            results.append(attrs.evolve(ref_results[reused], name=name))
+        else:
+            results.append(run_point(point, name, tracking_uri, quiet, out))
+            print_point(results[-1], out)
+    shown = [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
+    if ref_results:
+        log_gains(points[0], shown, ref_results, tracking_uri)
+    if len(shown) > 1:
+        print_comparison(shown, points[0].resolved.spec.experiment.compare_to or names[0], out)
+    return shown
+
+
+def log_gains(point: Point, results: list[PointResult], references: list[PointResult], tracking_uri) -> None:
+    """Each run's collaboration gain over the reference runs of its group, logged to its
+    (parent) run as ``gain_vs_local``, ``gain_vs_best_reference`` and their ``_ci95``."""
+    tracker = make_tracker(point.resolved.spec.tracking, tracking_uri)
+    for result in results:
+        mine = [r for r in references if r.group == result.group]
+        result.summary.update(gains(result, mine))
+        metrics = {}
+        for key in ("gain_vs_local", "gain_vs_best_reference"):
+            if key in result.summary:
+                s = result.summary[key]
+                metrics[key] = s.mean
+                if not math.isnan(s.ci95):
+                    metrics[f"{key}_ci95"] = s.ci95
+        tracker.log_metrics_to(result.run_id, metrics)
 
 
 def dry_run_report(points: list[Point], out) -> None:
@@ -128,11 +221,12 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     """Run one sweep point: a single run, or one child run per seed under a parent run that
     holds the mean, std and 95% interval of every final metric."""
     spec = point.resolved.spec
+    group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
     if not point.seeds:
         tracker = make_tracker(spec.tracking, tracking_uri)
         run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name).run()
         return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
-                           run.run_id)
+                           run.run_id, spec.algorithm.name, group)
 
     parent = make_tracker(spec.tracking, tracking_uri)
     parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
@@ -149,7 +243,8 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
         status = "FINISHED"
     finally:
         # What the finished seeds measured is logged even when a later seed fails.
-        result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id)
+        result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id,
+                             spec.algorithm.name, group)
         log_seed_summary(parent, result)
         parent.end(status)
     return result
@@ -243,31 +338,41 @@ COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
 
 
 def print_comparison(results: list[PointResult], reference: str, out) -> None:
-    """Every run as mean ± ci95, and its paired difference from ``reference`` over the same
-    seeds, marked * where the 95% interval excludes 0."""
-    ref = next(r for r in results if r.name == reference)
-    seeds = {tuple(r.seeds) for r in results}
+    """Every run as mean ± ci95, its collaboration gain over the reference runs (when
+    ``experiment.reference`` is set), and its paired difference from ``reference`` over the
+    same seeds; differences whose 95% interval excludes 0 are marked *."""
+    ref = next((r for r in results if r.name == reference), results[0])
     n = len(ref.runs)
     title = "same seed, same partition" if n == 1 else f"{n} seeds, mean ± 95% interval"
     print(f"\n== comparison ({title}) ==", file=out)
     keys = [k for k in COMPARED if any(k in r.summary for r in results)]
-    header = ["run", *keys, "comm_up_bytes"]
-    if n > 1:
-        header += [f"Δ{k} vs {reference}" for k in keys]
+    gain_keys = [k for k in ("gain_vs_best_reference", "gain_vs_local") if any(k in r.summary for r in results)]
+    diff_keys = keys if n > 1 else []
+    header = ["run", *keys, "comm_up_bytes", *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
     rows = []
     for r in results:
-        row = [r.name, *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
-               r.summary["comm_up_bytes"].mean if "comm_up_bytes" in r.summary else math.nan]
-        if n > 1:
-            for k in keys:
-                row.append(_diff_cell(r, ref, k))
-        rows.append(row)
+        rows.append([
+            r.name,
+            *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
+            r.summary["comm_up_bytes"].mean if "comm_up_bytes" in r.summary else math.nan,
+            *[_interval(r.summary[k]) if k in r.summary else "-" for k in gain_keys],
+            *[_diff_cell(r, ref, k) for k in diff_keys],
+        ])
     print_table(header, rows, out)
     if n > 1:
         print("(Δ: paired difference over the same seeds with its 95% interval; * = the interval excludes 0)",
               file=out)
-    if len(seeds) > 1:
+    if gain_keys:
+        print("(gain_vs_best_reference: acc_mean - max(reference runs) per seed, paired; gain_vs_local likewise)",
+              file=out)
+    if len({tuple(r.seeds) for r in results}) > 1:
         print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
+
+
+def _interval(d: Summary) -> str:
+    if d.n < 2:
+        return f"{d.mean:+.4f}"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"
 
 
 def _diff_cell(result: PointResult, ref: PointResult, key: str) -> str:
@@ -278,5 +383,4 @@ def _diff_cell(result: PointResult, ref: PointResult, key: str) -> str:
         return "-"
     mine = dict(zip(result.seeds, result.values(key)))
     theirs = dict(zip(ref.seeds, ref.values(key)))
-    d = paired_difference([mine[s] for s in common], [theirs[s] for s in common])
-    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"
+    return _interval(paired_difference([mine[s] for s in common], [theirs[s] for s in common]))

@@ -108,6 +108,15 @@ def _valid_seeds(_instance, attribute, value):
         raise FieldError(attribute.name, f"lists seed {repeated[0]} more than once; each seed must be distinct")
 
 
+def _distinct(what):
+    def validator(_instance, attribute, value):
+        repeated = sorted({v for v in value if value.count(v) > 1})
+        if repeated:
+            raise FieldError(attribute.name, f"lists {repeated[0]!r} more than once")
+
+    return validator
+
+
 @define
 class ExperimentSection:
     name: str = "pfl"
@@ -117,6 +126,10 @@ class ExperimentSection:
     seeds: Optional[list[int]] = field(default=None, validator=_valid_seeds)
     # The run label every other sweep point is compared with (default: the first point).
     compare_to: str = ""
+    # Reference baselines run once per spec on the identical partition and seeds as sibling
+    # runs; every run then logs gain_vs_local and gain_vs_best_reference (does collaboration
+    # help here?). E.g. ["local", "centralized"].
+    reference: list[str] = field(factory=list, validator=_distinct("reference"))
     rounds: int = field(default=10, validator=at_least(1))
     # Fraction of clients sampled each round with the round's seeded RNG.
     participation: float = field(default=1.0, validator=between(0, 1, low_open=True))

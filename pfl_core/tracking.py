@@ -51,6 +51,9 @@ class NullTracker:
     def set_tag(self, key: str, value: str) -> None:
         pass
 
+    def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
+        """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
+
     def end(self, status: str = "FINISHED") -> None:
         pass
 
@@ -95,6 +98,15 @@ class MlflowTracker(NullTracker):
 
     def set_tag(self, key, value):
         self.mlflow.set_tag(key, value)
+
+    def log_metrics_to(self, run_id, metrics):
+        if run_id is None or not metrics:
+            return
+        from mlflow.entities import Metric
+
+        client = self.mlflow.MlflowClient()
+        stamp = int(__import__("time").time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()])
 
     def end(self, status="FINISHED"):
         if self.run_id is not None:
