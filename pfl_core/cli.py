@@ -29,7 +29,11 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
     return parser
+
+
+REPORT_TO = "please report it, with the command and the spec, to the pfl maintainers"
 
 
 def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
@@ -45,6 +49,12 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # last resort: one line, the traceback only when asked for
+        if args.debug:
+            raise
+        print(f"{prog}: internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
+              f"(run again with --debug for the traceback; {REPORT_TO})", file=sys.stderr)
+        return 1
     errors = [e for point in results for run in point.runs for e in run.errors]
     for error in errors:  # the runs finished and were logged; a late step did not
         print(f"{prog}: error: {error}", file=sys.stderr)
@@ -77,11 +87,15 @@ def plugins_main() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
+    parser.add_argument("--version", action="version", version=f"pfl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
     if argv[:1] == ["run"]:
         return run_main(argv[1:], prog="pfl run")
+    if not argv:  # `pfl` alone: what it can do, not an argparse error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     if args.command == "plugins":
         try:
@@ -90,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.close()
             return 0
     return EXIT_USAGE
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _entry(fn) -> None:

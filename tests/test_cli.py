@@ -136,3 +136,27 @@ def test_dry_run_builds_the_models_for_the_data(tmp_path, capsys):
 def test_set_into_a_missing_list_is_a_clear_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--set", "addons.0.params.x=1", "--dry-run")
     assert code == 2 and "addons: has no list item 0" in one_line_error(err)
+
+
+def test_pfl_version_and_bare_pfl_print_usage_not_an_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("pfl ")
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: pfl" in out and "plugins" in out and "run" in out
+
+
+def test_an_internal_error_is_one_line_and_the_traceback_only_with_debug(tmp_path, capsys, monkeypatch):
+    from pfl_core import runner
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero in a plugin")
+
+    monkeypatch.setattr(runner, "run_spec_file", broken)
+    spec = write_spec(tmp_path, tiny_raw())
+    code, _, err = run_cli(capsys, spec)
+    line = one_line_error(err)
+    assert code == 1 and "internal error" in line and "ZeroDivisionError" in line and "--debug" in line
+    with pytest.raises(ZeroDivisionError):
+        run_main([spec, "--debug"])
