@@ -48,12 +48,13 @@ Decisions where the resolution is silent (also in docs/reproductions.md):
   mean *validation* accuracy, never test).
 * "Frozen" means excluded from communication, not from local training (the paper: the layer
   "will not be mixed up with the global model"); every layer trains for
-  ``training.local_epochs`` epochs, so pMixFed's local budget is the default one.
+  ``training.local_epochs`` epochs, so pMixFed's local budget is the default ``local_work``
+  (``training.local_epochs`` private epochs per round; validation scoring is not training).
 * In simulation the server-side broadcast hook measures dAcc on the client's validation data
   (a deployment would have the client measure it); that measurement is not counted as
-  communication, as the paper's Section 6.5 comparison does not count it. Each upload carries
-  the client's two validation accuracies (16 bytes, counted) for the aggregation-stage dAcc;
-  "dynamic-only" and "beta" send none.
+  communication (the byte comparison with FedAlt/FedSim/FedAvg counts model layers). Each
+  upload carries the client's two validation accuracies (16 bytes, counted) for the
+  aggregation-stage dAcc; "dynamic-only" and "beta" send none.
 * "dynamic-only": gamma = ``gamma`` fixed, at broadcast and at aggregation.
 * "beta" (the paper's mixup ablation, mu ~ Beta(a, a)): each layer strictly between base and
   head draws its own mu_l ~ Beta(a, a) per client and round; mu_1 = 1 and mu_L = 0 are kept
@@ -185,8 +186,8 @@ class PMixFedParams:
     schedule: str = field(default="sigmoid-adaptive", validator=_known_schedule)
     # Eq. 10's k and b (lost in extraction): chosen by specs/pmixfed_tuning.toml (docs/pmixfed-tuning.md).
     # k < 0 would share *more* of the global model when the local one is better: refused.
-    offset: float = field(default=0.0, validator=finite)  # b
-    slope: float = field(default=10.0, validator=[finite, at_least(0)])  # k
+    offset: float = field(default=1.0, validator=finite)  # b
+    slope: float = field(default=50.0, validator=[finite, at_least(0)])  # k
     gamma: float = field(default=0.5, validator=[finite, between(0, 1, low_open=True, high_open=True)])
     beta_a: float = field(default=1.0, validator=[finite, greater_than(0)])
 
