@@ -24,6 +24,9 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("spec", help="path to the experiment's TOML spec")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec field by its dotted key (TOML value syntax); repeatable")
+    parser.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
+                        help="add (or replace) a sweep axis: the values, comma-separated or a TOML list; repeatable")
+    parser.add_argument("--no-sweep", action="store_true", help="run only the base spec, without its [sweep]")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the spec and the data partition, print the resolved spec, run nothing")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
@@ -42,7 +45,8 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
         from .runner import run_spec_file
 
         results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
-                                no_tracking=args.no_tracking, quiet=args.quiet)
+                                no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
+                                no_sweep=args.no_sweep)
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

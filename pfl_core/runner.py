@@ -54,9 +54,10 @@ class PointResult:
         return [r.final.get(metric, math.nan) for r in self.runs]
 
 
-def resolve_points(raw: dict, overrides: list[str]) -> list[Point]:
+def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_sweep: bool = False,
+                   notes: list[str] | None = None) -> list[Point]:
     """Every run the spec describes (one, or one per sweep point), validated before any runs."""
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(raw, overrides, sweeps, no_sweep, notes)
     points = []
     for settings, point in expand_sweep(raw):
         try:
@@ -143,11 +144,15 @@ def check_compare_to(points: list[Point], names: list[str]) -> None:
 
 
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
-                  no_tracking: bool = False, quiet: bool = False, out=None) -> list[PointResult]:
+                  no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
+                  no_sweep: bool = False) -> list[PointResult]:
     out = out or sys.stdout
     if no_tracking:
         overrides = [*overrides, "tracking.enabled=false"]
-    points = resolve_points(load_toml(path), overrides)
+    notes: list[str] = []
+    points = resolve_points(load_toml(path), overrides, sweeps, no_sweep, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     names = [run_name_for(p.resolved, p.settings) for p in points]
     check_compare_to(points, names)
     references = reference_points(points)

@@ -404,9 +404,24 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def split_key(dotted: str) -> list[str]:
+    """``a.b."c.d"`` -> ["a", "b", "c.d"]: TOML's own dotted-key rules, so a quoted part (a
+    sweep axis named by a dotted key) stays one part."""
+    try:
+        node = tomllib.loads(f"{dotted} = 0")
+    except tomllib.TOMLDecodeError:
+        raise SpecError("--set", f"{dotted!r} is not a dotted key (quote parts that contain dots: "
+                                 f'sweep."training.lr")') from None
+    parts = []
+    while isinstance(node, dict):
+        (key, node), = node.items()
+        parts.append(key)
+    return parts
+
+
 def set_dotted(raw: dict, dotted: str, value: Any) -> None:
     """Set ``a.b.c`` in a nested dict; list items are addressed as ``addons.0.params.x``."""
-    parts = dotted.split(".")
+    parts = split_key(dotted)
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
@@ -430,16 +445,50 @@ def set_dotted(raw: dict, dotted: str, value: Any) -> None:
         node[last] = value
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def _split_override(item: str, option: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise SpecError(option, f"expected dotted.key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise SpecError(option, f"empty key in {item!r}")
+    return key, text.strip()
+
+
+def swept_axes_replaced(sweep: dict, key: str) -> list[str]:
+    """The sweep axes a ``--set key=...`` decides: the same key, a key inside it, or the
+    table it is inside (``algorithm.name`` decides the axis ``algorithm``)."""
+    return [axis for axis in sweep if axis == key or axis.startswith(key + ".") or key.startswith(axis + ".")]
+
+
+def apply_overrides(raw: dict, overrides: list[str], sweeps: list[str] = (), no_sweep: bool = False,
+                    notes: list[str] | None = None) -> dict:
+    """Apply ``--set`` overrides, then ``--sweep`` axes (``key=v1,v2`` or ``key=[v1, v2]``);
+    ``no_sweep`` drops the spec's sweep. A ``--set`` on a key the spec sweeps replaces that axis
+    with the single value, and says so in ``notes``."""
     raw = copy.deepcopy(raw)
+    if no_sweep:
+        raw.pop("sweep", None)
     for item in overrides:
-        if "=" not in item:
-            raise SpecError("--set", f"expected dotted.key=value, got {item!r}")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise SpecError("--set", f"empty key in {item!r}")
-        set_dotted(raw, key, parse_value(text.strip()))
+        key, text = _split_override(item, "--set")
+        sweep = raw.get("sweep")
+        if isinstance(sweep, dict) and split_key(key)[0] != "sweep":
+            for axis in swept_axes_replaced(sweep, key):
+                sweep.pop(axis)
+                if notes is not None:
+                    notes.append(f"--set {key} replaces the spec's sweep over {axis}")
+        set_dotted(raw, key, parse_value(text))
+    for item in sweeps:
+        key, text = _split_override(item, "--sweep")
+        value = parse_value(text)
+        if not isinstance(value, list):
+            value = [parse_value(v.strip()) for v in text.split(",")]
+        if not value or any(v == "" for v in value):
+            raise SpecError(f"--sweep {key}", f"expected key=v1,v2,... or key=[v1, v2], got {item!r}")
+        sweep = raw.setdefault("sweep", {})
+        if not isinstance(sweep, dict):
+            raise SpecError("sweep", "expected a table of dotted.key = [values]")
+        sweep[key] = value
     return raw
 
 
@@ -449,6 +498,9 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
     if not isinstance(sweep, dict):
         raise SpecError("sweep", "expected a table of dotted.key = [values]")
     for key, values in sweep.items():
+        if isinstance(values, dict):
+            raise SpecError(f"sweep.{key}", "a sweep axis is one quoted dotted key with a list of values, e.g. "
+                                            f'sweep."{key}.x" = [1, 2] in TOML, or --sweep {key}.x=1,2')
         if not isinstance(values, list) or not values:
             raise SpecError(f"sweep.{key}", "expected a non-empty list of values")
     base = {k: v for k, v in raw.items() if k != "sweep"}

@@ -160,3 +160,52 @@ def test_an_internal_error_is_one_line_and_the_traceback_only_with_debug(tmp_pat
     assert code == 1 and "internal error" in line and "ZeroDivisionError" in line and "--debug" in line
     with pytest.raises(ZeroDivisionError):
         run_main([spec, "--debug"])
+
+
+def _documented_commands(spec: Path) -> list[list[str]]:
+    import shlex
+
+    commands = []
+    for line in spec.read_text().splitlines():
+        text = line.lstrip("#").strip()
+        if text.startswith("pfl-run "):
+            commands.append(shlex.split(text)[1:])
+    return commands
+
+
+def test_every_command_in_the_quickstart_header_works(capsys, monkeypatch):
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    commands = _documented_commands(root / "specs" / "quickstart.toml")
+    assert len(commands) >= 4
+    for args in commands:
+        code, out, err = run_cli(capsys, *args, "--dry-run")
+        assert code == 0, (args, err)
+        assert "# ok:" in out
+
+
+def test_set_on_a_swept_key_replaces_the_axis_and_says_so(tmp_path, capsys):
+    raw = tiny_raw()
+    raw["sweep"] = {"algorithm.name": ["local", "fedavg"], "training.lr": [0.1, 0.2]}
+    spec = write_spec(tmp_path, raw)
+    code, out, err = run_cli(capsys, spec, "--set", "algorithm.name=fedprox", "--set", "algorithm.params.mu=0.5",
+                             "--dry-run")
+    assert code == 0 and "replaces the spec's sweep over algorithm.name" in err
+    assert out.count("# sweep point") == 2 and "mu = 0.5" in out and "'training.lr': 0.2" in out
+    code, out, err = run_cli(capsys, spec, "--no-sweep", "--dry-run")
+    assert code == 0 and "# sweep point" not in out and 'name = "fedavg"' in out
+    code, out, _ = run_cli(capsys, spec, "--sweep", "training.batch_size=5,20", "--dry-run")
+    assert out.count("# sweep point") == 8
+    code, out, _ = run_cli(capsys, spec, "--no-sweep", "--set", 'sweep."training.lr"=[0.01, 0.02]', "--dry-run")
+    assert out.count("# sweep point") == 2 and "'training.lr': 0.02" in out
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--sweep", "training.lr="], "--sweep training.lr"),
+    (["--sweep", "training.lr"], "--sweep"),
+    (["--set", "sweep.training.lr=[1]"], "sweep.training"),
+    (["--set", "a..b=1"], "--set"),
+])
+def test_malformed_sweep_options_are_one_line(tmp_path, capsys, args, key):
+    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), *args, "--dry-run")
+    assert code == 2 and key in one_line_error(err)
