@@ -12,7 +12,7 @@ import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import SpecError
-from .spec import apply_overrides, expand_sweep, load_toml
+from .spec import POINTS, apply_overrides, expand_sweep, load_toml
 from .stats import Summary, paired_difference, summarize
 from .tracking import flatten, make_tracker
 
@@ -72,8 +72,11 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
 
 def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
     base = resolved.spec.tracking.run_name or resolved.spec.algorithm.name
+    flat = {}
+    for key, value in settings.items():  # a sweep.points entry names its own overrides
+        flat.update(value if key == POINTS else {key: value})
     # A sweep over algorithm.name or over whole [algorithm] tables is named by the algorithm.
-    extras = [f"{k.split('.')[-1]}={v}" for k, v in settings.items() if k not in ("algorithm.name", "algorithm")]
+    extras = [f"{k.split('.')[-1]}={v}" for k, v in flat.items() if k not in ("algorithm.name", "algorithm")]
     return " ".join([base, *extras])
 
 
@@ -81,7 +84,9 @@ ALGORITHM_KEYS = ("algorithm", "algorithm.name")
 
 
 def _is_algorithm_key(key: str) -> bool:
-    return key in ALGORITHM_KEYS or key.startswith("algorithm.")
+    """Settings that vary the method (not the data): reference runs are shared across them.
+    A ``sweep.points`` entry is a method with its own budget settings."""
+    return key in ALGORITHM_KEYS or key.startswith("algorithm.") or key == POINTS
 
 
 def reference_points(points: list[Point]) -> list[tuple[str, Point]]:

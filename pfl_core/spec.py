@@ -503,6 +503,10 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
                                             f'sweep."{key}.x" = [1, 2] in TOML, or --sweep {key}.x=1,2')
         if not isinstance(values, list) or not values:
             raise SpecError(f"sweep.{key}", "expected a non-empty list of values")
+    for i, entry in enumerate(sweep.get(POINTS, [])):
+        if not isinstance(entry, dict) or not entry:
+            raise SpecError(f"sweep.{POINTS}[{i}]", "expected a table of dotted.key = value overrides, e.g. "
+                                                    '{ algorithm = { name = "local" }, "training.local_epochs" = 3 }')
     base = {k: v for k, v in raw.items() if k != "sweep"}
     keys = list(sweep)
     points = []
@@ -510,6 +514,12 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
         point = copy.deepcopy(base)
         settings = dict(zip(keys, combo))
         for key, value in settings.items():
-            set_dotted(point, key, value)
+            for dotted, item in (value.items() if key == POINTS else [(key, value)]):
+                set_dotted(point, dotted, item)
         points.append((settings, point))
     return points
+
+
+# A sweep axis whose values are whole sets of overrides applied together (zipped, not
+# crossed): one method with its own budget settings per entry.
+POINTS = "points"

@@ -95,3 +95,17 @@ def test_gains_are_logged_to_the_parent_runs(tmp_path):
     metrics = client.get_run(fedavg.run_id).data.metrics
     assert metrics["gain_vs_local"] == pytest.approx(fedavg.summary["gain_vs_local"].mean)
     assert math.isclose(metrics["gain_vs_local_ci95"], fedavg.summary["gain_vs_local"].ci95, rel_tol=1e-9)
+
+
+def test_sweep_points_are_methods_with_their_own_budget_and_share_the_references(tmp_path, monkeypatch):
+    ran = []
+    real = runner.run_point
+    monkeypatch.setattr(runner, "run_point", lambda p, name, *a: ran.append(name) or real(p, name, *a))
+    raw = tiny_raw(**{"experiment.rounds": 2, "experiment.reference": ["local"]})
+    raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}},
+                               {"algorithm": {"name": "local"}, "training.local_epochs": 2}]}
+    shown = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True,
+                          out=open(tmp_path / "o.txt", "w"))
+    assert ran == ["local (reference)", "fedavg", "local local_epochs=2"]
+    twice = next(r for r in shown if r.name == "local local_epochs=2")
+    assert twice.runs[0].final["budget.private_epochs"] == 4  # 2 rounds x 2 epochs

@@ -1,5 +1,6 @@
 """Spec structuring, overrides, sweeps and the resolved-spec TOML writer."""
 
+import copy
 import sys
 
 import pytest
@@ -135,3 +136,29 @@ def test_toml_writer_round_trips():
     parsed = tomllib.loads(tomlout.dumps(data))
     expected = {k: v for k, v in data.items() if v is not None}
     assert parsed == expected
+
+
+def test_sweep_points_apply_their_overrides_together_and_cross_other_axes():
+    raw = copy.deepcopy(BASE)
+    raw["sweep"] = {
+        "points": [{"algorithm": {"name": "local"}, "training.local_epochs": 3},
+                   {"algorithm.name": "fedavg"}],
+        "training.lr": [0.1, 0.2],
+    }
+    points = expand_sweep(raw)
+    assert len(points) == 4
+    local = [p for s, p in points if p["algorithm"]["name"] == "local"]
+    assert all(p["training"]["local_epochs"] == 3 for p in local)
+    fedavg = [p for s, p in points if p["algorithm"]["name"] == "fedavg"]
+    assert all(p.get("training", {}).get("local_epochs", BASE.get("training", {}).get("local_epochs")) != 3
+               for p in fedavg)
+    assert sorted(p["training"]["lr"] for p in local) == [0.1, 0.2]
+
+
+@pytest.mark.parametrize("entry", [[], [3], [{}]])
+def test_bad_sweep_points_name_the_entry(entry):
+    raw = copy.deepcopy(BASE)
+    raw["sweep"] = {"points": entry}
+    with pytest.raises(SpecError) as info:
+        expand_sweep(raw)
+    assert info.value.path.startswith("sweep.points")
