@@ -15,7 +15,7 @@ import torch
 from . import plots, registry, tomlout
 from .context import ModelBank, RunContext
 from .data.federated import build_federated_data
-from .errors import PflError
+from .errors import NonFiniteError, PflError
 from .evaluation import evaluate_clients
 from .executors import make_executor
 from .payload import nbytes
@@ -128,11 +128,16 @@ class Engine:
         torch.manual_seed(ctx.seed_for("client", client_id))  # dropout etc.: order-independent
         message = ctx.broadcast(client_id)
         client = ctx.client(client_id)
-        hooks.on_receive(ctx=ctx, client=client, message=message)
-        train_metrics = hooks.local_train(ctx=ctx, client=client)
-        if train_metrics and "train_loss" in train_metrics:
-            ctx.train_losses.append(train_metrics["train_loss"])
-        upload = hooks.client_upload(ctx=ctx, client=client)
+        try:
+            hooks.on_receive(ctx=ctx, client=client, message=message)
+            train_metrics = hooks.local_train(ctx=ctx, client=client)
+            if train_metrics and "train_loss" in train_metrics:
+                ctx.train_losses.append(train_metrics["train_loss"])
+            upload = hooks.client_upload(ctx=ctx, client=client)
+            check_finite(upload)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: {exc}; "
+                                 f"training diverged: lower training.lr (now {self.spec.training.lr})") from None
         ctx.comm_up += nbytes(upload)
         ctx.record_work(client)
         return client_id, upload
@@ -253,6 +258,19 @@ class Engine:
             fig = plots.curves_figure(history, keys, "accuracy (mean over clients)", f"{self.run_name}: accuracy by round")
             self.tracker.log_figure(fig, "results/accuracy_by_round.png")
             plots.close(fig)
+
+
+def check_finite(payload) -> None:
+    """Raise NonFiniteError if any floating tensor in a message holds NaN or inf."""
+    if isinstance(payload, torch.Tensor):
+        if payload.is_floating_point() and not bool(torch.isfinite(payload).all()):
+            raise NonFiniteError("a sent parameter became NaN or infinite")
+    elif isinstance(payload, dict):
+        for value in payload.values():
+            check_finite(value)
+    elif isinstance(payload, (list, tuple)):
+        for value in payload:
+            check_finite(value)
 
 
 def table_csv(header: list, rows: list[list]) -> str:

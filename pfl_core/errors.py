@@ -27,6 +27,10 @@ class DataError(PflError):
     """A dataset cannot be found or read."""
 
 
+class NonFiniteError(PflError):
+    """Training diverged: a loss or a sent parameter became NaN or infinite."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the closest valid name, or '' if none is close."""
     close = difflib.get_close_matches(str(name), sorted(choices), n=1, cutoff=0.5)

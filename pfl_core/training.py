@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from .errors import NonFiniteError
 from .spec import TrainingSection
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,4 +82,6 @@ def run_epochs(
             steps += 1
         if counter is not None:
             counter(n)
+    if steps and not math.isfinite(float(total)):
+        raise NonFiniteError(f"the training loss became {float(total)}")
     return {"train_loss": float(total) / steps} if steps else {}

@@ -148,3 +148,29 @@ def test_a_failing_coldstart_step_keeps_the_trained_results():
     assert result.final["acc_mean"] > 0 and len(result.history) == 2
     assert "coldstart_acc_mean" not in result.final
     assert len(result.errors) == 1 and "cold-start" in result.errors[0] and "KeyError" in result.errors[0]
+
+
+# -- divergence ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "local"])
+def test_a_diverging_run_stops_naming_round_client_method_and_the_fix(algorithm):
+    from pfl_core.errors import NonFiniteError
+
+    raw = tiny_raw(**{"algorithm.name": algorithm, "training.lr": 1e30, "experiment.rounds": 3})
+    with pytest.raises(NonFiniteError) as info:
+        Engine(resolve(raw), progress=False).run()
+    message = str(info.value)
+    assert "round 1, client 0" in message and f"method {algorithm}" in message and "lower training.lr" in message
+
+
+def test_a_nonfinite_upload_is_caught_even_when_the_loss_looked_finite():
+    from pfl_core.engine import check_finite
+    from pfl_core.errors import NonFiniteError
+
+    check_finite({"weights": {"w": torch.ones(3)}, "n": 3})
+    with pytest.raises(NonFiniteError):
+        check_finite({"weights": {"w": torch.tensor([1.0, float("nan")])}})
+    with pytest.raises(NonFiniteError):
+        check_finite([torch.tensor([float("inf")])])
+    check_finite({"labels": torch.tensor([1, 2])})  # integer payloads are never non-finite
