@@ -3,11 +3,14 @@ FedAlt/FedSim and FedAvg, the global head as the average of the local heads, the
 FedAvg reductions, frozen layers, dAcc on the validation split, cold start, bad input."""
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from pfl_core import seeding
 from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
@@ -97,6 +100,28 @@ def test_mix_factor_follows_eq_10_and_the_sign_of_dacc():
     assert better > 0.5 > worse
     assert pmixfed.frozen_count(pmixfed.broadcast_degrees(better, 4)) == 2
     assert pmixfed.frozen_count(pmixfed.broadcast_degrees(worse, 4)) == 0
+
+
+def test_beta_schedule_draws_each_middle_layer_per_client_and_keeps_base_and_head():
+    raw = tiny_raw(**DEEPER, **{"algorithm.params.schedule": "beta"})  # default beta_a = 1: uniform
+    engine, ctx = drive(raw, 2)
+    for i in range(4):  # round 2's draws, from the client's own seeded stream
+        middle = seeding.numpy_rng(0, "pmixfed_mix", 2, i).beta(1.0, 1.0, size=2)
+        assert ctx.server["mix"][i]["mu"] == pytest.approx([1.0, *middle, 0.0])
+        assert f"gamma/{i}" not in ctx.round_metrics  # no mix factor at the broadcast
+    assert ctx.server["mix"][0]["mu"] != ctx.server["mix"][1]["mu"]
+    assert ctx.round_metrics["gamma_agg"] == pytest.approx(seeding.numpy_rng(0, "pmixfed_mix", 2).beta(1.0, 1.0))
+    assert "gamma_mean" not in ctx.round_metrics
+    assert set(ctx.hooks.client_upload(ctx=ctx, client=_loaded(ctx, 0))) == {"weights"}  # no accuracies sent
+
+
+def test_defaults_are_the_ones_the_tuning_sweep_chose():
+    spec = (Path(__file__).parents[1] / "specs" / "pmixfed_tuning.toml").read_text()
+    chosen = re.search(r"chosen: slope k = ([0-9.]+), offset b = ([-0-9.]+), the defaults", spec)
+    params = pmixfed.PMixFedParams()
+    assert (params.slope, params.offset) == (float(chosen[1]), float(chosen[2]))
+    assert (params.schedule, params.gamma, params.beta_a) == ("sigmoid-adaptive", 0.5, 1.0)
+    resolve(tiny_raw(**{"algorithm.name": "pmixfed", "algorithm.params.slope": 0.0}))  # k = 0: a constant gamma
 
 
 # -- communication -------------------------------------------------------------------------
@@ -384,12 +409,14 @@ def test_a_client_that_never_trained_is_evaluated_with_the_global_model():
 
 @pytest.mark.parametrize("key, value", [
     ("offset", float("inf")), ("offset", "high"), ("slope", float("nan")), ("slope", -1.0), ("slope", "steep"),
-    ("slope", True), ("beta_a", 0.0), ("beta_a", -1.0), ("gamma", 1.0), ("schedule", "cosine"),
+    ("slope", True), ("beta_a", 0.0), ("beta_a", -1.0), ("gamma", 1.0), ("gamma", 0.0), ("schedule", "cosine"),
 ])
 def test_bad_parameters_name_their_key(key, value):
     with pytest.raises(SpecError) as err:
         resolve(tiny_raw(**{"algorithm.name": "pmixfed", f"algorithm.params.{key}": value}))
     assert err.value.path == f"algorithm.params.{key}"
+    if key == "schedule":  # the message lists what is known
+        assert "must be one of 'sigmoid-adaptive', 'dynamic-only', 'beta', got 'cosine'" in str(err.value)
 
 
 def test_a_single_layer_model_is_refused():
