@@ -12,9 +12,11 @@ k+1..L); k = ``split`` (default: the middle, L // 2).
     u_{t+1} <- sum_i n_i/n u_i
 
 tau is ``training.local_epochs``; ``personal_epochs`` defaults to 1 (the paper runs one
-local epoch for each part). Cold-start clients (never trained) personalise as in the paper's
-evaluation of new clients: the personal part is *reconstructed* by training v alone for
-``experiment.coldstart_epochs`` with the final u fixed.
+local epoch for each part). Its local work per round (``local_work``, for equal-budget
+comparisons) is therefore ``personal_epochs + tau`` epochs over the client's data.
+Cold-start clients (never trained) personalise as in the paper's evaluation of new clients:
+the personal part is *reconstructed* by training v alone for ``experiment.coldstart_epochs``
+with the final u fixed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional
 from attrs import define, field
 
 from pfl_core import hookimpl
+from pfl_core.budget import LocalWork
 from pfl_core.spec import at_least
 from plugins.partial import PartialModel, only_training
 
@@ -38,6 +41,10 @@ class FedAlt(PartialModel):
     name = "fedalt"
     Params = FedAltParams
     shared_part = "base"
+
+    def local_work(self, spec):
+        """Both phases are private training: personal_epochs + tau epochs per round."""
+        return LocalWork(float(self.params.personal_epochs + spec.training.local_epochs))
 
     def train_part(self, ctx, client, keys, epochs):
         with only_training(client.model, set(keys)) as params:
