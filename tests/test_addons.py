@@ -1,10 +1,17 @@
 """Add-ons compose with any algorithm: corrupted clients, and plugins with heterogeneous models."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
+from pfl_core import Plugin, hookimpl
 from pfl_core.errors import SpecError
 from pfl_core.engine import resolve
+from pfl_core.registry import make_plugin_manager
+from plugins.corrupted_clients import CorruptedClients, CorruptedClientsParams, flip
+from harness import prepared
 from tiny import run_tiny, tiny_raw
 
 LEARNABLE = {"experiment.rounds": 5, "training.local_epochs": 2, "data.params.samples_per_device": 200}
@@ -69,3 +76,82 @@ def test_heterogeneous_client_architectures(tmp_path):
     with pytest.raises(SpecError) as info:  # lenet5 needs images; synthetic gives vectors
         run_tiny(**{"algorithm.name": "local", "model.pool": ["mlp", "lenet5"]})
     assert info.value.path == "model.pool[1]"
+
+
+# -- corrupted_clients: which labels are flipped, how, and when ---------------------------------
+
+
+def labels(ctx, client, split):
+    return getattr(ctx.data.clients[client], f"{split}_y").clone()
+
+
+def prepared_with(**params):
+    return prepared(**corrupted(**params))[1]
+
+
+def test_flip_mappings_by_hand():
+    y = torch.tensor([0, 3, 9, 5])
+    assert flip(y, 10, "reverse").tolist() == [9, 6, 0, 4]
+    assert flip(y, 10, "shift").tolist() == [1, 4, 0, 6]
+    assert flip(torch.tensor([0, 1, 2]), 3, "shift").tolist() == [1, 2, 0]
+
+
+@pytest.mark.parametrize("mapping, expected", [("reverse", lambda y: 9 - y), ("shift", lambda y: (y + 1) % 10)])
+def test_only_the_chosen_clients_labels_are_flipped_in_every_split(mapping, expected):
+    _, clean = prepared()
+    flipped = prepared_with(clients=[1, 3], mapping=mapping)
+    for client in range(4):
+        for split in ("train", "val", "test"):
+            want = labels(clean, client, split)
+            if client in (1, 3):
+                want = expected(want)
+            assert labels(flipped, client, split).tolist() == want.tolist(), (client, split)
+            x = f"{split}_x"
+            assert torch.equal(getattr(flipped.data.clients[client], x), getattr(clean.data.clients[client], x))
+
+
+def test_splits_limits_the_flip_to_the_named_splits():
+    _, clean = prepared()
+    flipped = prepared_with(clients=[2], splits=["train", "test"])
+    assert labels(flipped, 2, "train").tolist() == (9 - labels(clean, 2, "train")).tolist()
+    assert labels(flipped, 2, "test").tolist() == (9 - labels(clean, 2, "test")).tolist()
+    assert labels(flipped, 2, "val").tolist() == labels(clean, 2, "val").tolist()
+
+
+def test_the_flip_is_deterministic_and_the_partition_is_unchanged():
+    first, second = prepared_with(clients=[0]), prepared_with(clients=[0])
+    _, clean = prepared()
+    for client in range(4):
+        for split in ("train", "val", "test"):
+            assert labels(first, client, split).tolist() == labels(second, client, split).tolist()
+            assert (first.data.clients[client].indices[split] == clean.data.clients[client].indices[split]).all()
+
+
+def test_labels_are_flipped_before_any_other_plugins_setup_reads_them():
+    seen = {}
+
+    class Reader(Plugin):
+        name = "reader"
+
+        @hookimpl
+        def setup(self, ctx):
+            seen["labels"] = ctx.data.clients[0].train_y.tolist()
+
+    client = SimpleNamespace(train_y=torch.tensor([0, 1, 2]), val_y=torch.tensor([2]), test_y=torch.tensor([1]))
+    other = SimpleNamespace(train_y=torch.tensor([0, 0]), val_y=torch.tensor([0]), test_y=torch.tensor([0]))
+    ctx = SimpleNamespace(data=SimpleNamespace(clients=[client, other]), num_classes=3)
+    addon = CorruptedClients(CorruptedClientsParams(clients=[0]))
+    make_plugin_manager([addon, Reader()]).hook.setup(ctx=ctx)
+    assert seen["labels"] == [2, 1, 0]
+    assert client.val_y.tolist() == [0] and client.test_y.tolist() == [1]
+    assert other.train_y.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("params, path", [({"clients": [-1]}, "addons[0].params.clients[0]"),
+                                          ({"clients": [0, 4]}, "addons[0].params.clients[1]"),
+                                          ({"splits": []}, "addons[0].params.splits"),
+                                          ({"mapping": "random"}, "addons[0].params.mapping")])
+def test_bad_add_on_parameters_name_their_key(params, path):
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**corrupted(**params)))
+    assert info.value.path == path
