@@ -227,3 +227,64 @@ def test_vgg16_options():
     assert any(isinstance(m, torch.nn.BatchNorm2d) for m in bn.modules())
     assert bn.classifier[0].in_features == 128 and bn.classifier[6].out_features == 10
     assert bn(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+# -- BatchNorm variants (norm = "batch"), for FedBN and any method that wants them ----------
+
+BN_LAYOUT = {  # the BatchNorm modules norm = "batch" adds, in forward order, and their widths
+    "mlp": [("bn1", torch.nn.BatchNorm1d, 16), ("bn2", torch.nn.BatchNorm1d, 8)],
+    "lenet5": [("bn1", torch.nn.BatchNorm2d, 6), ("bn2", torch.nn.BatchNorm2d, 16),
+               ("bn3", torch.nn.BatchNorm1d, 120), ("bn4", torch.nn.BatchNorm1d, 84)],
+    "cnn2": [("bn1", torch.nn.BatchNorm2d, 32), ("bn2", torch.nn.BatchNorm2d, 64),
+             ("bn3", torch.nn.BatchNorm1d, 512)],
+    "cnn4": [("bn1", torch.nn.BatchNorm2d, 32), ("bn2", torch.nn.BatchNorm2d, 32),
+             ("bn3", torch.nn.BatchNorm2d, 64), ("bn4", torch.nn.BatchNorm2d, 64)],
+}
+BN_PARAMS = {"mlp": {"hidden": [16, 8]}}
+
+
+def batchnorms(model):
+    return [(n, type(m), m.num_features) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+@pytest.mark.parametrize("name", sorted(BN_LAYOUT))
+def test_norm_batch_adds_a_batchnorm_after_each_conv_and_hidden_layer(name):
+    params = BN_PARAMS.get(name, {})
+    plain = build(name, (3, 32, 32), params=params, seed=5)
+    bn = build(name, (3, 32, 32), params={**params, "norm": "batch"}, seed=5)
+    assert batchnorms(plain) == [] and batchnorms(bn) == BN_LAYOUT[name]
+    # The other layers are the plain model's, weight for weight (BatchNorm draws no random
+    # numbers), so the two variants differ only by the BatchNorm keys.
+    plain_state, bn_state = plain.state_dict(), bn.state_dict()
+    extra = [k for k in bn_state if k not in plain_state]
+    assert extra and all(k.split(".")[0] in {n for n, *_ in BN_LAYOUT[name]} for k in extra)
+    assert all(torch.equal(plain_state[k], bn_state[k]) for k in plain_state)
+    # ... and each BatchNorm is its own layer, right after the layer it normalises
+    names = [n for n, _ in parameterised_layers(bn)]
+    for bn_name, *_ in BN_LAYOUT[name]:
+        assert names.index(bn_name) > 0 and not names[names.index(bn_name) - 1].startswith("bn")
+
+
+@pytest.mark.parametrize("name", sorted(BN_LAYOUT))
+def test_norm_batch_models_normalise_in_training_and_use_running_stats_in_eval(name):
+    params = {**BN_PARAMS.get(name, {}), "norm": "batch"}
+    model = build(name, (3, 32, 32), params=params)
+    first = dict(model.named_modules())["bn1"]
+    x = 3.0 + 2.0 * torch.randn(8, 3, 32, 32)
+    model(x).sum().backward()
+    assert int(first.num_batches_tracked) == 1 and first.running_mean.abs().sum() > 0
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()
+    with torch.no_grad():  # eval mode: running statistics, so one sample gives the same logits alone
+        assert torch.allclose(model(x[:1]), model(x)[:1], atol=1e-5)
+    assert int(first.num_batches_tracked) == 1
+
+
+def test_norm_none_is_the_unchanged_model_and_bad_norms_are_refused():
+    default = build("cnn2", (1, 28, 28))
+    assert count_parameters(default) == 1_663_370 and batchnorms(default) == []
+    assert list(default.state_dict()) == list(build("cnn2", (1, 28, 28), params={"norm": "none"}).state_dict())
+    with pytest.raises(SpecError) as info:
+        plugin("mlp", {"norm": "layer"})
+    assert info.value.path == "model.params.norm" and "'none', 'batch'" in str(info.value)

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..registry import NoParams
-from ..spec import FieldError, at_least, between, finite, greater_than
+from ..spec import FieldError, at_least, between, finite, greater_than, one_of
 from .base import ModelPlugin
 
 __all__ = [
@@ -69,6 +69,22 @@ def _positive_sizes(_instance, attribute, value):
 
 _WIDTH = dict(default=1.0, validator=[finite, greater_than(0)])
 _DROPOUT = [finite, between(0, 1, high_open=True)]
+# ``norm = "batch"``: a BatchNorm after every convolution and hidden fully connected layer
+# (before its ReLU), as in the FedBN paper's networks (Li et al., ICLR 2021, App. Table 5:
+# conv -> BN -> ReLU -> pool, fc -> BN1d -> ReLU, none after the classifier). "none" builds
+# exactly the model without it (same modules, state-dict keys and initial weights).
+_NORM = dict(default="none", validator=one_of("none", "batch"))
+
+
+def _norm(kind: str, channels: int, dims: int) -> nn.Module:
+    """BatchNorm{1,2}d(channels) for ``kind = "batch"``, else a parameter-free identity.
+
+    BatchNorm's initial weights (ones) and biases (zeros) use no random numbers, so the other
+    layers of a ``norm = "batch"`` model get exactly the weights of the plain model built under
+    the same seed."""
+    if kind == "batch":
+        return nn.BatchNorm2d(channels) if dims == 2 else nn.BatchNorm1d(channels)
+    return nn.Identity()
 
 
 class _SmallInputCheck:
@@ -86,25 +102,29 @@ class _SmallInputCheck:
 
 
 class _LeNet5Net(nn.Module):
-    def __init__(self, in_channels, height, width, num_classes, scale):
+    def __init__(self, in_channels, height, width, num_classes, scale, norm="none"):
         super().__init__()
         c1, c2 = _scaled(6, scale), _scaled(16, scale)
         f1, f2 = _scaled(120, scale), _scaled(84, scale)
         self.pad = 2 if min(height, width) < 32 else 0
         self.conv1 = nn.Conv2d(in_channels, c1, kernel_size=5, padding=self.pad)
+        self.bn1 = _norm(norm, c1, 2)
         self.conv2 = nn.Conv2d(c1, c2, kernel_size=5)
+        self.bn2 = _norm(norm, c2, 2)
         h = _conv_out(_conv_out(height, 5, 1, self.pad) // 2, 5) // 2
         w = _conv_out(_conv_out(width, 5, 1, self.pad) // 2, 5) // 2
         self.fc1 = nn.Linear(c2 * h * w, f1)
+        self.bn3 = _norm(norm, f1, 1)
         self.fc2 = nn.Linear(f1, f2)
+        self.bn4 = _norm(norm, f2, 1)
         self.fc3 = nn.Linear(f2, num_classes)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
         x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
+        x = F.relu(self.bn3(self.fc1(x)))
+        x = F.relu(self.bn4(self.fc2(x)))
         return self.fc3(x)
 
 
@@ -118,7 +138,7 @@ class LeNet5(_SmallInputCheck, ModelPlugin):
     convolution, exactly as LeNet-5 padded 28x28 digits to 32x32, so both give 16x5x5 features;
     larger inputs (64x64) keep the unpadded convolution and a larger first fully connected
     layer. ``width`` multiplies every channel and unit count (6, 16, 120, 84), rounded half up,
-    at least 1.
+    at least 1. ``norm = "batch"`` adds ``bn1..bn4`` after conv1, conv2, fc1, fc2.
     """
 
     name = "lenet5"
@@ -126,6 +146,7 @@ class LeNet5(_SmallInputCheck, ModelPlugin):
     @define
     class Params:
         width: float = field(**_WIDTH)
+        norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
         shape = self.check_shape(input_shape, num_classes)
@@ -133,23 +154,26 @@ class LeNet5(_SmallInputCheck, ModelPlugin):
         pad = 2 if min(h, w) < 32 else 0
         if min(_conv_out(_conv_out(h, 5, 1, pad) // 2, 5), _conv_out(_conv_out(w, 5, 1, pad) // 2, 5)) < 2:
             self.too_small(shape, "LeNet-5 needs at least 12x12 pixels")
-        return _LeNet5Net(c, h, w, num_classes, self.params.width)
+        return _LeNet5Net(c, h, w, num_classes, self.params.width, self.params.norm)
 
 
 class _MLPNet(nn.Module):
-    def __init__(self, in_features, hidden, num_classes):
+    def __init__(self, in_features, hidden, num_classes, norm="none"):
         super().__init__()
         sizes = [in_features, *hidden, num_classes]
         self.num_layers = len(sizes) - 1
         for i in range(self.num_layers):
             self.add_module(f"fc{i + 1}", nn.Linear(sizes[i], sizes[i + 1]))
+            if i < self.num_layers - 1 and norm != "none":
+                self.add_module(f"bn{i + 1}", _norm(norm, sizes[i + 1], 1))
 
     def forward(self, x):
         x = torch.flatten(x, 1)
         for i in range(1, self.num_layers + 1):
             x = getattr(self, f"fc{i}")(x)
             if i < self.num_layers:
-                x = F.relu(x)
+                bn = getattr(self, f"bn{i}", None)
+                x = F.relu(x if bn is None else bn(x))
         return x
 
 
@@ -158,6 +182,7 @@ class MLP(ModelPlugin):
 
     Works on feature vectors and on images (flattened). ``hidden = []`` gives multinomial
     logistic regression. Layers are named ``fc1, fc2, ...``; the last is the classifier.
+    ``norm = "batch"`` adds ``bn<i>`` (BatchNorm1d) after each hidden layer ``fc<i>``.
     """
 
     name = "mlp"
@@ -166,41 +191,47 @@ class MLP(ModelPlugin):
     @define
     class Params:
         hidden: list[int] = field(factory=lambda: [200, 200], validator=_positive_sizes)
+        norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
         shape = self.check_shape(input_shape, num_classes)
-        return _MLPNet(math.prod(shape), list(self.params.hidden), num_classes)
+        return _MLPNet(math.prod(shape), list(self.params.hidden), num_classes, self.params.norm)
 
 
 class _CNN2Net(nn.Module):
-    def __init__(self, in_channels, height, width, num_classes, scale):
+    def __init__(self, in_channels, height, width, num_classes, scale, norm="none"):
         super().__init__()
         c1, c2, f1 = _scaled(32, scale), _scaled(64, scale), _scaled(512, scale)
         self.conv1 = nn.Conv2d(in_channels, c1, kernel_size=5, padding=2)
+        self.bn1 = _norm(norm, c1, 2)
         self.conv2 = nn.Conv2d(c1, c2, kernel_size=5, padding=2)
+        self.bn2 = _norm(norm, c2, 2)
         self.fc1 = nn.Linear(c2 * (height // 4) * (width // 4), f1)
+        self.bn3 = _norm(norm, f1, 1)
         self.fc2 = nn.Linear(f1, num_classes)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
         x = torch.flatten(x, 1)
-        return self.fc2(F.relu(self.fc1(x)))
+        return self.fc2(F.relu(self.bn3(self.fc1(x))))
 
 
 class _SmallCNN(_SmallInputCheck, ModelPlugin):
-    """The small CNNs: a ``width`` multiplier, at least 4x4 pixels, then ``network``."""
+    """The small CNNs: a ``width`` multiplier, optional BatchNorm (``norm``), at least 4x4
+    pixels, then ``network``."""
 
     @define
     class Params:
         width: float = field(**_WIDTH)
+        norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
         shape = self.check_shape(input_shape, num_classes)
         c, h, w = shape
         if min(h, w) < 4:
             self.too_small(shape, "the CNN needs at least 4x4 pixels")
-        return self.network(c, h, w, num_classes, self.params.width)
+        return self.network(c, h, w, num_classes, self.params.width, self.params.norm)
 
 
 class CNN2(_SmallCNN):
@@ -211,6 +242,8 @@ class CNN2(_SmallCNN):
     The convolutions are "same"-padded (padding 2), which reproduces the paper's count of
     1,663,370 parameters for 1x28x28 inputs and 10 classes; other sizes change only the input
     of ``fc1`` (64 x H/4 x W/4). ``width`` multiplies 32, 64 and 512 (default 1).
+    ``norm = "batch"`` adds ``bn1, bn2`` (BatchNorm2d) after the convolutions and ``bn3``
+    (BatchNorm1d) after ``fc1``.
     """
 
     name = "cnn2"
@@ -218,20 +251,24 @@ class CNN2(_SmallCNN):
 
 
 class _CNN4Net(nn.Module):
-    def __init__(self, in_channels, height, width, num_classes, scale):
+    def __init__(self, in_channels, height, width, num_classes, scale, norm="none"):
         super().__init__()
         c1, c2 = _scaled(32, scale), _scaled(64, scale)
         self.conv1 = nn.Conv2d(in_channels, c1, kernel_size=3, padding=1)
+        self.bn1 = _norm(norm, c1, 2)
         self.conv2 = nn.Conv2d(c1, c1, kernel_size=3, padding=1)
+        self.bn2 = _norm(norm, c1, 2)
         self.conv3 = nn.Conv2d(c1, c2, kernel_size=3, padding=1)
+        self.bn3 = _norm(norm, c2, 2)
         self.conv4 = nn.Conv2d(c2, c2, kernel_size=3, padding=1)
+        self.bn4 = _norm(norm, c2, 2)
         self.fc = nn.Linear(c2 * (height // 4) * (width // 4), num_classes)
 
     def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.conv3(x))
-        x = F.max_pool2d(F.relu(self.conv4(x)), 2)
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.bn3(self.conv3(x)))
+        x = F.max_pool2d(F.relu(self.bn4(self.conv4(x))), 2)
         return self.fc(torch.flatten(x, 1))
 
 
@@ -241,7 +278,8 @@ class CNN4(_SmallCNN):
     conv3x3(32) -> relu -> conv3x3(32) -> relu -> maxpool2 -> conv3x3(64) -> relu ->
     conv3x3(64) -> relu -> maxpool2 -> fc(C), all convolutions with padding 1; modules
     ``conv1..conv4, fc``. For 32x32 inputs the classifier sees 64x8x8 features. ``width``
-    multiplies the channel counts 32 and 64 (default 1).
+    multiplies the channel counts 32 and 64 (default 1). ``norm = "batch"`` adds ``bn1..bn4``
+    (BatchNorm2d) after the four convolutions.
     """
 
     name = "cnn4"
