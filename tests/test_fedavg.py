@@ -171,5 +171,10 @@ def test_bytes_are_the_model_bytes_times_the_participants_each_way():
 def test_fedavg_needs_one_architecture_for_every_client():
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{"model.pool": ["mlp", "lenet5"]}))
-    assert info.value.path == "model.pool" and "same architecture" in info.value.message
+    assert info.value.path == "model.pool"
+    assert info.value.message == ("fedavg averages weights, so every client needs the same architecture; "
+                                  "got lenet5, mlp")
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**{"model.clients": ["mlp", "mlp", "cnn2", "mlp"]}))
+    assert info.value.path == "model.clients" and info.value.message.endswith("got cnn2, mlp")
     resolve(tiny_raw(**{"model.pool": ["mlp", "mlp"]}))  # one architecture, listed twice: fine

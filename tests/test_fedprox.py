@@ -127,5 +127,11 @@ def test_mu_must_be_a_finite_non_negative_number(mu):
     assert info.value.path == "algorithm.params.mu"
 
 
+def test_fedprox_needs_one_architecture_and_says_so_by_name():
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**{"algorithm.name": "fedprox", "model.pool": ["mlp", "lenet5"]}))
+    assert info.value.path == "model.pool" and info.value.message.startswith("fedprox averages weights")
+
+
 def test_default_mu_is_not_zero():
     assert FedProxParams().mu == 0.01
