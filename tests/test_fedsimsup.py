@@ -15,8 +15,8 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.zoo import LeNet5
 from pfl_core.training import make_optimizer, run_epochs
-from plugins.fedsimsup import (FedSimSup, Summed, beta_schedule, cosine_similarity, lambdas,
-                               mix_non_participants, supervisor_ratio)
+from plugins.fedsimsup import (FedSimSup, Summed, beta_schedule, cosine_similarity, label_proportions, lambdas,
+                               mix_non_participants, mixing_weights)
 from tiny import tiny_raw
 
 SUP = {"algorithm.name": "fedsimsup", "algorithm.params.supervisor": "mlp",
@@ -50,11 +50,36 @@ def test_lambda_by_hand():
 
 
 def test_similarity_matrix():
-    p = np.array([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.2, 0.2]])
+    p = np.array([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.2, 0.2], [0.0, 0.0]])
     s = cosine_similarity(p)
     r = 1 / math.sqrt(2)
-    expected = np.array([[1, r, 0, r], [r, 1, r, 1], [0, r, 1, r], [r, 1, r, 1]])
-    np.testing.assert_allclose(s, expected, atol=1e-12)
+    expected = np.array([[1, r, 0, r, 0], [r, 1, r, 1, 0], [0, r, 1, r, 0], [r, 1, r, 1, 0], [0, 0, 0, 0, 0]])
+    np.testing.assert_allclose(s, expected, atol=1e-12)  # a client without labels is similar to nobody
+
+
+def test_label_proportions():
+    np.testing.assert_array_equal(label_proportions([[1, 0, 0], [0, 0, 0], [2, 2, 4]]),
+                                  [[1, 0, 0], [0, 0, 0], [0.25, 0.25, 0.5]])
+
+
+def test_mixing_weight_options():
+    sim = {2: {0: 0.9, 1: 0.1}}
+    sizes = {0: 10, 1: 30, 2: 5}
+    assert mixing_weights(2, [0, 1], sim, sizes) == pytest.approx({0: 0.9, 1: 0.1})
+    assert mixing_weights(2, [0, 1], sim, sizes, "data_size") == pytest.approx({0: 0.25, 1: 0.75})
+    assert mixing_weights(2, [0, 1], sim, sizes, "uniform") == pytest.approx({0: 0.5, 1: 0.5})
+
+
+def test_defaults_are_the_papers():
+    p = FedSimSup().params
+    assert (p.C, p.gamma, p.tau_s, p.tau_theta, p.weighting, p.supervisor) == (40.0, 3 / 7, 1, 1, "similarity", "lenet5")
+
+
+@pytest.mark.parametrize("key, value", [("algorithm.params.tau_s", 0), ("algorithm.params.tau_theta", 0),
+                                        ("algorithm.params.gamma", 1.0),
+                                        ("algorithm.params.weighting", "data_size")])
+def test_edge_values_are_accepted(key, value):
+    assert resolve(tiny_raw(**{**SUP, key: value})).spec.algorithm.name == "fedsimsup"
 
 
 def test_mixing_three_clients_by_hand():
@@ -163,6 +188,8 @@ def test_default_supervisor_is_about_a_sixth_of_lenet5():
     ("experiment.participation", 0.0),
     ("experiment.participation", 1.5),
     ("algorithm.params.C", 0.0),
+    ("algorithm.params.gamma", 0.0),
+    ("algorithm.params.gamma", 1.5),
     ("algorithm.params.weighting", "cosine"),
 ])
 def test_bad_input_names_the_key(key, value):

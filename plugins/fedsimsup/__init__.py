@@ -347,13 +347,6 @@ def newcomer_theta(ctx, client_id: int) -> dict:
     return weighted_average((w[j], stored[j]) for j in clients)
 
 
-def supervisor_ratio(ctx) -> float:
-    """Supervisor parameters / inter-learning model parameters (client 0)."""
-    sup = build_supervisor(ctx, supervisor_arch(ctx, 0), "algorithm")
-    count = lambda m: sum(q.numel() for q in m.parameters())  # noqa: E731
-    return count(sup) / count(ctx.models.working(ctx.models.arch_of(0)))
-
-
 __all__ = ["FedSimSup", "FedSimSupParams", "beta_schedule", "coldstart_schedule", "cosine_similarity",
            "label_proportions", "lambdas", "local_update", "mix_non_participants", "mixing_weights",
-           "newcomer_theta", "supervisor_ratio", "Summed"]
+           "newcomer_theta", "Summed"]
