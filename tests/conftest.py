@@ -11,3 +11,25 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real datasets folder {SHARED_DATA} is absent (only on the project's machines)")
     return SHARED_DATA
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+#: For a single test: ``@requires_cuda``. Tests marked ``@pytest.mark.gpu`` get the same skip.
+requires_cuda = pytest.mark.skipif(
+    not cuda_available(),
+    reason="needs a CUDA GPU (executor.device = 'cuda'): torch.cuda.is_available() is False here",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    if cuda_available():
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(requires_cuda)

@@ -1,18 +1,25 @@
-"""COSMOS and COMET: clustering, distances, targets, heterogeneous clients, bad input, the
-paper's CIFAR-100 spec through pfl-run on a fake CIFAR-100 directory."""
+"""COSMOS (and the round protocol it shares with COMET): clustering, distances, Eq. (1)/(2)
+on a hand-set linear model, the transformation ball, cluster targets, the round order,
+which models are evaluated, bytes, the budget, heterogeneous clients, bad input, the paper's
+CIFAR-100 spec through pfl-run on a fake CIFAR-100 directory, and (GPU only) a CUDA run.
+COMET's own tests: tests/test_comet.py."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import plugins.codistill as codistill
+import plugins.cosmos as cosmos
 from pfl_core.cli import run_main
+from pfl_core.context import Client, clone_state, load_state
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from plugins.codistill import mean_l1_distances, predict
-from plugins.comet import kmeans
-from plugins.cosmos import auto_clusters, greedy_clusters
+from pfl_core.evaluation import score
+from plugins.codistill import kl_to_target, mean_l1_distances, predict
+from plugins.cosmos import CosmosParams, augment, auto_clusters, eq1_distill, greedy_clusters
 from tiny import run_tiny, tiny_raw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,24 +63,222 @@ def test_distance_is_the_mean_l1_over_u():
     assert torch.allclose(d, doubled)
 
 
-def test_cluster_targets_are_member_means():
-    comet = {**SMALL, "algorithm.name": "comet", "algorithm.params": {"num_clusters": 1, "pretrain_epochs": 1}}
-    result, engine = run_tiny(**comet)
+def test_distance_is_the_l1_norm_per_sample_not_a_squared_or_max_norm():
+    p = torch.tensor([[[0.6, 0.4, 0.0]], [[0.2, 0.2, 0.6]], [[0.6, 0.4, 0.0]]])  # 3 clients, |U| = 1
+    d = mean_l1_distances(p)
+    assert d[0, 1].item() == pytest.approx(0.4 + 0.2 + 0.6) and d[0, 2] == 0 and d.dtype == torch.float64
+    assert d.device.type == "cpu"  # ready for .numpy() whatever device the predictions are on
+
+
+# -- Eq. (1) / (2) on a hand-set linear model ---------------------------------------------
+
+
+def test_kl_goes_from_the_target_to_the_model():
+    target = torch.tensor([[0.9, 0.1]])
+    logits = torch.zeros(1, 2)  # model: (0.5, 0.5)
+    expected = 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)  # KL(target || model)
+    assert kl_to_target(logits, target, 1.0).item() == pytest.approx(expected, rel=1e-6)
+    # T = 2 divides the logits: logits (2, 0) / 2 -> softmax(1, 0)
+    model = torch.softmax(torch.tensor([1.0, 0.0]), 0)
+    expected_t = float((target[0] * (target[0] / model).log()).sum())
+    assert kl_to_target(torch.tensor([[2.0, 0.0]]), target, 2.0).item() == pytest.approx(expected_t, rel=1e-6)
+
+
+def hand_set_linear() -> torch.nn.Linear:
+    model = torch.nn.Linear(2, 3)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -0.5], [0.2, 0.3], [-0.4, 0.8]]))
+        model.bias.copy_(torch.tensor([0.1, 0.0, -0.1]))
+    return model
+
+
+@pytest.mark.parametrize("lam,temperature", [(5.0, 1.0), (0.7, 2.0), (0.0, 1.0)])
+def test_one_step_of_eq1_is_kl_plus_lambda_times_the_consistency_term(lam, temperature):
+    """One SGD step on one batch equals the step on the loss written out by hand:
+    mean_x KL(t(x) || h(x)) + lam * sum_{s=1,2} mean_x KL(h(x) || h(x + noise_s)), h(x) fixed."""
+    x = torch.tensor([[0.5, -1.0], [1.0, 2.0], [-0.3, 0.4], [2.0, 0.1]])
+    targets = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3], [0.05, 0.9, 0.05]])
+    params = CosmosParams(lam=lam, num_augment=2, noise_std=0.5, temperature=temperature, distill_batch_size=8)
+    lr, seed = 0.5, 7
+
+    # By hand: the same generator draws the batch order, then each augmented copy's noise.
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=g)
+    xb, tb = x[order], targets[order]
+    w = torch.tensor([[1.0, -0.5], [0.2, 0.3], [-0.4, 0.8]], requires_grad=True)
+    b = torch.tensor([0.1, 0.0, -0.1], requires_grad=True)
+
+    def log_h(inp):
+        return F.log_softmax((inp @ w.T + b) / temperature, dim=1)
+
+    kl = (tb * (tb.log() - log_h(xb))).sum(dim=1).mean()
+    anchor = log_h(xb).exp().detach()
+    consistency = sum((anchor * (anchor.log() - log_h(xb + 0.5 * torch.randn(xb.shape, generator=g)))).sum(dim=1).mean()
+                      for _ in range(2))
+    (kl + lam * consistency).backward()
+    expected_w, expected_b = w - lr * w.grad, b - lr * b.grad
+    if lam > 0:  # the regulariser is not negligible here (so a flipped or dropped term is caught)
+        assert consistency.item() > 1e-3
+
+    model = hand_set_linear()
+    g = torch.Generator().manual_seed(seed)
+    eq1_distill(model, torch.optim.SGD(model.parameters(), lr=lr), x, targets, params, epochs=1, order=g, augment=g)
+    assert torch.allclose(model.weight, expected_w, atol=1e-6) and torch.allclose(model.bias, expected_b, atol=1e-6)
+    if lam > 0:
+        plain = hand_set_linear()
+        g = torch.Generator().manual_seed(seed)
+        eq1_distill(plain, torch.optim.SGD(plain.parameters(), lr=lr), x, targets,
+                    CosmosParams(lam=0.0, temperature=temperature, distill_batch_size=8), epochs=1, order=g, augment=g)
+        assert not torch.allclose(plain.weight, expected_w, atol=1e-4)
+
+
+# -- the transformation ball ------------------------------------------------------------
+
+
+def test_augment_is_one_crop_offset_a_per_image_flip_and_gaussian_noise():
+    x = torch.arange(2 * 1 * 4 * 4, dtype=torch.float32).reshape(2, 1, 4, 4)
+    out = augment(x, torch.Generator().manual_seed(3), noise_std=0.0)
+    padded = F.pad(x, (2, 2, 2, 2), mode="replicate")
+    crops = [padded[:, :, dy : dy + 4, dx : dx + 4] for dy in range(5) for dx in range(5)]
+    # one shared crop offset; each image either as cropped or mirrored left-right
+    assert any(all(torch.equal(out[i], c[i]) or torch.equal(out[i], c[i].flip(2)) for i in range(2)) for c in crops)
+    flat = torch.randn(5, 3)
+    noisy = augment(flat, torch.Generator().manual_seed(4), noise_std=0.25)
+    assert torch.equal(noisy, flat + 0.25 * torch.randn(5, 3, generator=torch.Generator().manual_seed(4)))
+
+
+def test_augment_draws_on_a_cpu_generator_and_stays_on_the_data_device():
+    """The device bug: CPU noise and flip masks combined with device tensors. The meta device
+    rejects a CPU operand as CUDA does, so this runs without a GPU."""
+    generator = torch.Generator()  # CPU, as client.generator / ctx.generator make them
+    for shape in [(3, 1, 8, 8), (3, 5)]:
+        out = augment(torch.zeros(shape, device="meta"), generator, noise_std=0.1)
+        assert out.device.type == "meta" and out.shape == shape
+
+
+# -- server and client steps ------------------------------------------------------------
+
+COSMOS_ONE = {**SMALL, "algorithm.name": "cosmos", "experiment.rounds": 1}
+
+
+def fake_predictions(ctx, seed: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (len(ctx.data.public.x), ctx.num_classes)
+    return {i: torch.softmax(3 * torch.randn(shape, generator=g), dim=1) for i in range(4)}
+
+
+def test_server_targets_are_plain_member_means_and_members_get_their_cluster_model(monkeypatch):
+    _, engine = run_tiny(**COSMOS_ONE)
     ctx = engine.ctx
-    targets = ctx.server["targets"]
-    assert all(targets[0] is targets[i] for i in range(4))  # one cluster: one shared mean
-    # The mean of what each client sent: its stored model's predictions on U.
-    sent = []
+    ctx.server.update(clusters=[[0, 2], [1, 3]], cluster_models={}, targets={})
+    preds = fake_predictions(ctx, 0)
+    fitted = []
+    real = cosmos.eq1_distill
+    monkeypatch.setattr(cosmos, "eq1_distill", lambda model, opt, x, targets, *a, **k: (
+        fitted.append(targets.clone()), real(model, opt, x, targets, *a, **k))[1])
+    skewed = {0: 0.7, 1: 0.1, 2: 0.1, 3: 0.1}  # sample weights must not enter the cluster mean
+    uploads = ((i, {"soft_labels": p}) for i, p in preds.items())
+    ctx.hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=skewed)
+    assert len(fitted) == 2
+    assert torch.allclose(fitted[0], (preds[0] + preds[2]) / 2) and torch.allclose(fitted[1], (preds[1] + preds[3]) / 2)
+    server = ctx.models.build("mlp")
+    for k, members in enumerate([[0, 2], [1, 3]]):
+        h_k = predict(load_state(server, ctx.server["cluster_models"][k]), ctx.data.public.x, 1.0)
+        for i in members:  # what client i distils from next round: h_pi(i)(U)
+            assert torch.equal(ctx.server["targets"][i], h_k)
+    assert not torch.allclose(ctx.server["targets"][0], ctx.server["targets"][1])
+
+
+@pytest.mark.parametrize("name,params", [
+    ("cosmos", {"server_arch": "mlp", "server_epochs": 1, "b0": 1e-9}),  # every client its own cluster
+    ("comet", {"num_clusters": 4}),
+])
+def test_round_order_pretrain_once_then_distil_finetune_send(monkeypatch, name, params):
+    """Round 1: E0 epochs on D_i, then f_i(U) up; round t >= 2: distil from the client's own
+    targets of round t - 1, fine-tune ``finetune_epochs`` on D_i, then f_i(U) up."""
+    events, trained, sent = [], {}, {}
+    real_train = Client.train
+
+    def train(self, *args, **kwargs):
+        events.append(("train", self.round, self.id, kwargs.get("epochs")))
+        out = real_train(self, *args, **kwargs)
+        trained[self.round, self.id] = clone_state(self.model)
+        return out
+
+    plugin_class = cosmos.Cosmos if name == "cosmos" else codistill.PublicPredictionMethod
+    real_distill = plugin_class.client_distill
+
+    def client_distill(self, ctx, client, model, targets):
+        assert torch.equal(targets, ctx.server["targets"][client.id])  # its own, from last round
+        events.append(("distill", client.round, client.id, None))
+        return real_distill(self, ctx, client, model, targets)
+
+    real_collect = codistill.PublicPredictionMethod.collect_predictions
+
+    def collect(uploads):
+        out = real_collect(uploads)
+        sent[len(sent) + 1] = out
+        return out
+
+    monkeypatch.setattr(Client, "train", train)
+    monkeypatch.setattr(plugin_class, "client_distill", client_distill)
+    monkeypatch.setattr(codistill.PublicPredictionMethod, "collect_predictions", staticmethod(collect))
+    _, engine = run_tiny(**{**SMALL, "algorithm.name": name, "experiment.rounds": 3,
+                            "algorithm.params": {**params, "pretrain_epochs": 3, "finetune_epochs": 2}})
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
-        sent.append(predict(model, ctx.data.public.x, 1.0))
-    assert torch.allclose(targets[0], torch.stack(sent).mean(dim=0), atol=1e-6)
+        mine = [e for e in events if e[2] == i]
+        assert mine == [("train", 1, i, 3), ("distill", 2, i, None), ("train", 2, i, 2),
+                        ("distill", 3, i, None), ("train", 3, i, 2)]
+    model = engine.ctx.models.build("mlp")
+    for r in (1, 2, 3):  # what was sent is the model right after that round's training on D_i
+        for i in range(4):
+            expected = predict(load_state(model, trained[r, i]), engine.ctx.data.public.x, 1.0)
+            assert torch.allclose(sent[r][i], expected, atol=1e-6)
 
 
-def test_kmeans_separates_obvious_groups():
-    points = np.array([[0, 0], [0, 0.1], [5, 5], [5.1, 5]], dtype=float)
-    labels = kmeans(points, 2, np.random.default_rng(0))
-    assert labels[0] == labels[1] != labels[2] == labels[3]
+def test_acc_is_the_client_model_and_server_acc_its_cluster_model():
+    result, engine = run_tiny(**{**SMALL, "algorithm.name": "cosmos",
+                                 "algorithm.params": {**SMALL["algorithm.params"], "b0": 1e-9}})
+    ctx = engine.ctx
+    assert len(ctx.server["clusters"]) == 4  # one server model per client: a swap shows
+    client_model, server_model = ctx.models.build("mlp"), ctx.models.build("mlp")
+    for row in result.client_rows:
+        i = row["client"]
+        data = ctx.data.clients[i]
+        own = score(load_state(client_model, ctx.store[i]["weights"]), data.test_x, data.test_y)
+        (k,) = [k for k, members in enumerate(ctx.server["clusters"]) if i in members]
+        cluster = score(load_state(server_model, ctx.server["cluster_models"][k]), data.test_x, data.test_y)
+        assert row["acc"] == own.accuracy and row["loss"] == pytest.approx(own.loss, rel=1e-6)
+        assert row["server_acc"] == cluster.accuracy and row["server_loss"] == pytest.approx(cluster.loss, rel=1e-6)
+    assert len({round(r["server_loss"], 6) for r in result.client_rows}) > 1
+
+
+@pytest.mark.parametrize("name,params", [
+    ("cosmos", {"server_arch": "mlp", "server_epochs": 1}),
+    ("comet", {"num_clusters": 2}),
+])
+def test_budget_declared_and_measured(name, params):
+    """E0 in round 1 instead of a round's fine-tuning; distillation from round 2 on."""
+    overrides = {**SMALL, "algorithm.name": name, "experiment.rounds": 3, "training.drop_last": False,
+                 "training.local_epochs": 2, "algorithm.params": {**params, "pretrain_epochs": 3, "distill_epochs": 2}}
+    budget = resolve(tiny_raw(**overrides)).as_dict["budget"]
+    assert budget["private_epochs"] == 3 + 2 * 2 and budget["public_epochs"] == 2 * 2
+    result, _ = run_tiny(**overrides)  # |U| = 60 < distill_batch_size: one batch per epoch, no drop
+    assert result.final["budget.private_epochs"] == pytest.approx(7)
+    assert result.final["budget.public_epochs"] == pytest.approx(4)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("cosmos", SMALL["algorithm.params"]),
+    ("comet", {"num_clusters": 2, "pretrain_epochs": 1}),
+])
+def test_bytes_are_u_times_c_probabilities_each_way(name, params):
+    result, engine = run_tiny(**{**SMALL, "algorithm.name": name, "algorithm.params": params})
+    soft = 60 * 10  # |U| x C probabilities per client and round
+    # 2 rounds x 4 clients up; down only in round 2 (nothing to send before the first upload)
+    assert result.final["comm_up_bytes"] == 2 * 4 * soft * 4 and result.final["comm_down_bytes"] == 1 * 4 * soft * 4
+    half, _ = run_tiny(**{**SMALL, "algorithm.name": name, "algorithm.params": {**params, "label_dtype": "float16"}})
+    assert half.final["comm_up_bytes"] == 2 * 4 * soft * 2 and half.final["comm_down_bytes"] == 1 * 4 * soft * 2
 
 
 def test_cosmos_runs_and_reports_client_and_server_accuracy():
@@ -81,19 +286,21 @@ def test_cosmos_runs_and_reports_client_and_server_accuracy():
     assert {"acc_mean", "server_acc_mean", "num_clusters"} <= set(result.final)
     ctx = engine.ctx
     assert sorted(i for c in ctx.server["clusters"] for i in c) == [0, 1, 2, 3]
-    soft = 60 * 10 * 4  # |U| x C float32 per client per round
-    assert result.final["comm_up_bytes"] == 2 * 4 * soft and result.final["comm_down_bytes"] == 1 * 4 * soft
-    half, _ = run_tiny(**{**SMALL, "algorithm.name": "cosmos",
-                          "algorithm.params": {**SMALL["algorithm.params"], "label_dtype": "float16"}})
-    assert half.final["comm_up_bytes"] == result.final["comm_up_bytes"] / 2
+    assert result.final["num_clusters"] == len(ctx.server["clusters"])
 
 
-def test_cosmos_with_four_client_architectures(tmp_path):
+def write_images(tmp_path) -> Path:
+    """160 random 32x32 colour images of 4 classes: exercises the crop/flip augmentations."""
     rng = np.random.default_rng(0)
     path = tmp_path / "images.npz"
     y = np.repeat(np.arange(4), 40)
     np.savez(path, x_train=rng.integers(0, 256, (160, 32, 32, 3), dtype=np.uint8), y_train=y,
              x_test=np.zeros((0, 32, 32, 3), np.uint8), y_test=np.zeros(0, np.int64))
+    return path
+
+
+def test_cosmos_with_four_client_architectures(tmp_path):
+    path = write_images(tmp_path)
     result, engine = run_tiny(**{
         "data.name": "npz", "data.params": {"path": str(path)}, "partition.scheme": "iid",
         "public.size": 32, "experiment.rounds": 1, "model.name": "lenet5", "model.params": {},
@@ -112,6 +319,8 @@ def test_cosmos_with_four_client_architectures(tmp_path):
     ({"b0": "big"}, "algorithm.params.b0"),
     ({"max_clusters": 0}, "algorithm.params.max_clusters"),
     ({"server_arch": "vgg61"}, "algorithm.params.server_arch"),
+    ({"finetune_epochs": -1}, "algorithm.params.finetune_epochs"),
+    ({"lam": -1.0}, "algorithm.params.lam"),
 ])
 def test_bad_cosmos_params_name_their_key(params, path):
     with pytest.raises(SpecError) as info:
@@ -129,6 +338,12 @@ def test_cosmos_needs_a_public_set_and_matching_client_architectures():
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{"algorithm.name": "cosmos", "public.size": 60, "model.pool": ["mlp", "alexnett"]}))
     assert info.value.path == "model.pool[1]"
+
+
+def test_cosmos_needs_every_client_in_round_1():
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**{"algorithm.name": "cosmos", "public.size": 60, "experiment.participation": 0.5}))
+    assert info.value.path == "experiment.participation"
 
 
 def test_cifar100_spec_offline_without_files_stops_with_one_line(tmp_path, capsys):
@@ -153,3 +368,24 @@ def test_cifar100_spec_runs_through_pfl_run_on_fake_files(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "server_acc" in out and out.count("lenet5") >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params", [
+    ("cosmos", {"server_arch": "cnn4", "server_epochs": 1, "num_augment": 1}),
+    ("comet", {"num_clusters": 2}),
+])
+def test_runs_on_cuda(tmp_path, name, params):
+    """executor.device = "cuda" on images: round 1 (pre-training, clustering, server
+    distillation with crop/flip/noise) and round 2 (client distillation, fine-tuning), so every
+    step that draws on a CPU generator or turns predictions into numpy meets CUDA tensors."""
+    result, engine = run_tiny(**{
+        "data.name": "npz", "data.params": {"path": str(write_images(tmp_path))}, "partition.scheme": "iid",
+        "public.size": 32, "experiment.rounds": 2, "model.name": "cnn4", "model.params": {"width": 0.25},
+        "executor.device": "cuda", "training.batch_size": 16, "algorithm.name": name,
+        "algorithm.params": {**params, "pretrain_epochs": 1, "distill_batch_size": 16},
+    })
+    targets = engine.ctx.server["targets"]
+    assert sorted(targets) == [0, 1, 2, 3] and all(t.device.type == "cuda" for t in targets.values())
+    assert result.final["comm_up_bytes"] == 2 * 4 * 32 * 4 * 4  # |U| x C float32, 4 clients, 2 rounds
+    assert len(result.client_rows) == 4 and np.isfinite(result.final["acc_mean"])

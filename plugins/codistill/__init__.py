@@ -134,14 +134,12 @@ class PublicPredictionMethod(Plugin):
         return True
 
     def client_distill(self, ctx, client, model, targets):
+        """``distill_epochs`` epochs of KL(target || f_i) on U, w_i(x) = 1."""
         p = self.params
-        distill(model, client.optimizer(), ctx.data.public.x, targets, epochs=p.distill_epochs,
-                batch_size=p.distill_batch_size, temperature=p.temperature,
-                generator=client.generator("distill"), extra_term=self.client_regulariser(ctx, client),
-                drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n))
-
-    def client_regulariser(self, ctx, client):
-        return None
+        return distill(model, client.optimizer(), ctx.data.public.x, targets, epochs=p.distill_epochs,
+                       batch_size=p.distill_batch_size, temperature=p.temperature,
+                       generator=client.generator("distill"), drop_last=ctx.spec.training.drop_last,
+                       counter=lambda n: client.count_work(public=n))
 
     @hookimpl
     def local_train(self, ctx, client):

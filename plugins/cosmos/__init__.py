@@ -138,6 +138,16 @@ def consistency_term(params: CosmosParams, generator: torch.Generator):
     return term
 
 
+def eq1_distill(model, optimizer, x, targets, params: CosmosParams, *, epochs: int, order: torch.Generator,
+                augment: torch.Generator, drop_last: bool = False, counter=None):
+    """Minimise Eq. (1) (server, targets f_bar_k) or Eq. (2) (client, targets h_pi(i)) over U:
+    per batch, KL(target || model) + lambda * sum_{x' in S(x)} KL(model(x) || model(x')).
+    ``order`` draws the batch order, ``augment`` the transformation ball (may be the same)."""
+    return distill(model, optimizer, x, targets, epochs=epochs, batch_size=params.distill_batch_size,
+                   temperature=params.temperature, generator=order, extra_term=consistency_term(params, augment),
+                   drop_last=drop_last, counter=counter)
+
+
 class Cosmos(PublicPredictionMethod):
     name = "cosmos"
     Params = CosmosParams
@@ -157,8 +167,12 @@ class Cosmos(PublicPredictionMethod):
         ctx.models.plugin(self.params.server_arch, f"{self.spec_path}.params.server_arch")
         ctx.server["targets"] = {}
 
-    def client_regulariser(self, ctx, client):
-        return consistency_term(self.params, client.generator("augment"))
+    def client_distill(self, ctx, client, model, targets):
+        """Eq. (2): the client's model on U against h_pi(i)(U), w_i(x) = 1."""
+        p = self.params
+        return eq1_distill(model, client.optimizer(), ctx.data.public.x, targets, p, epochs=p.distill_epochs,
+                           order=client.generator("distill"), augment=client.generator("augment"),
+                           drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n))
 
     # -- server ---------------------------------------------------------------------
 
@@ -201,9 +215,8 @@ class Cosmos(PublicPredictionMethod):
         load_state(model, state if state is not None else ctx.models.initial_state(arch))
         targets = torch.stack([predictions[i] for i in members if i in predictions]).mean(dim=0)
         generator = ctx.generator(f"server_cluster_{k}")  # batch order and augmentations
-        distill(model, torch.optim.Adam(model.parameters(), lr=p.server_lr), ctx.data.public.x, targets,
-                epochs=epochs, batch_size=p.distill_batch_size, temperature=p.temperature,
-                generator=generator, extra_term=consistency_term(p, generator))
+        eq1_distill(model, torch.optim.Adam(model.parameters(), lr=p.server_lr), ctx.data.public.x, targets, p,
+                    epochs=epochs, order=generator, augment=generator)
         return k, clone_state(model), predict(model, ctx.data.public.x, p.temperature)
 
     # -- evaluation -----------------------------------------------------------------
