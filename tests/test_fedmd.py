@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from pfl_core.context import Client, load_state
 from pfl_core.errors import SpecError
 from pfl_core.engine import Engine, resolve
+from pfl_core.evaluation import score
 from plugins.fedmd import FedMD, FedMDParams
 from tiny import run_tiny, tiny_raw
 
@@ -58,3 +60,53 @@ def test_alignment_subsets_are_drawn_and_their_indices_sent():
     assert [h["comm_up_bytes"] for h in result.history] == [4 * 800, 8 * 800]
     assert result.history[0]["comm_down_bytes"] == 4 * 15
     assert result.history[1]["comm_down_bytes"] - result.history[0]["comm_down_bytes"] == 4 * (800 + 15 + 15)
+
+
+def test_phases_run_transfer_then_private_then_digest_then_revisit(monkeypatch):
+    # Distinct epoch counts name the phases; the digest targets are the previous round's consensus.
+    calls = []
+    original = Client.train
+
+    def spy(self, model=None, *, epochs=None, optimizer=None, x=None, y=None, loss_fn=None, **kw):
+        calls.append((self.round, self.id, "public" if x is not None else "private", epochs,
+                      None if y is None else y.clone(), loss_fn))
+        return original(self, model, epochs=epochs, optimizer=optimizer, x=x, y=y, loss_fn=loss_fn, **kw)
+
+    monkeypatch.setattr(Client, "train", spy)
+    params = {"algorithm.params.transfer_epochs": 2, "algorithm.params.private_epochs": 3,
+              "algorithm.params.digest_epochs": 4, "algorithm.params.revisit_epochs": 5}
+    engine = Engine(resolve(tiny_raw(**BASE, **params)), progress=False)
+    ctx = engine.prepare()
+    ctx.hooks.setup(ctx=ctx)
+    ctx.round_metrics = {}
+    engine.run_round(ctx, 1)
+    consensus_1 = ctx.server["consensus"].clone()
+    engine.run_round(ctx, 2)
+    for i in range(4):
+        mine = [c for c in calls if c[1] == i]
+        assert [(c[0], c[2], c[3]) for c in mine] == [(1, "public", 2), (1, "private", 3),
+                                                      (2, "public", 4), (2, "private", 5)]
+        assert torch.equal(mine[0][4], ctx.data.public.y)          # transfer: U's labels
+        assert torch.equal(mine[2][4], consensus_1)                # digest: last round's consensus
+        assert mine[2][5].__name__ == "_distill" and mine[0][5].__name__ == "cross_entropy"
+
+
+def test_the_evaluated_model_is_the_clients_own():
+    result, engine = run_tiny(**BASE)
+    ctx = engine.ctx
+    for row in result.client_rows:
+        client = ctx.client(row["client"])
+        own = load_state(ctx.models.build(client.arch), ctx.store[client.id]["weights"])
+        assert row["acc"] == score(own, client.data.test_x, client.data.test_y).accuracy
+
+
+def test_the_declared_budget_counts_round_one_and_later_rounds_apart():
+    params = {"algorithm.params.transfer_epochs": 2, "algorithm.params.private_epochs": 3,
+              "algorithm.params.digest_epochs": 4, "algorithm.params.revisit_epochs": 5,
+              "algorithm.params.alignment_size": 15, "experiment.rounds": 3}
+    budget = resolve(tiny_raw(**{**BASE, **params})).as_dict["budget"]
+    assert budget["private_epochs"] == 3 + 2 * 5
+    assert budget["public_epochs"] == pytest.approx(2 + 2 * 4 * 15 / 60)
+    result, _ = run_tiny(**{**BASE, **params})
+    assert result.final["budget.public_epochs"] == pytest.approx(budget["public_epochs"])
+    assert result.final["budget.private_epochs"] == pytest.approx(budget["private_epochs"])

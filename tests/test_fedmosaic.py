@@ -9,14 +9,17 @@ import torch.nn.functional as F
 
 from pfl_core import tomlout
 from pfl_core.cli import run_main
+from pfl_core import Plugin, hookimpl
 from pfl_core.context import load_state
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
+from pfl_core.evaluation import score
 from pfl_core.payload import nbytes
 from pfl_core.tracking import NullTracker
 from plugins.fedct import FedCT, FedCTParams
-from plugins.fedmosaic import (FedMosaic, FedMosaicParams, adaptive_lambda, consensus, dequantise,
-                               expertise_scores, mean_loss, quantise)
+from plugins.fedmosaic import (FedMosaic, FedMosaicParams, adaptive_lambda, consensus, consensus_scores,
+                               dequantise, expertise_scores, mean_loss, quantise, tie_share)
+from plugins.codistill import predict_logits
 from tiny import run_tiny, tiny_raw
 
 # The engine's tiny MLP steps are dominated by thread contention on a loaded 2-core machine.
@@ -45,6 +48,24 @@ def test_consensus_on_a_hand_computed_example_with_a_tie():
     assert got.tolist() == [0, 1, 0, 0]
     # uniform weights (FedCT's majority vote): row 0 -> 1 (two votes), row 3 -> tie -> 0
     assert consensus(((l, None) for l in labels), 4, 3).tolist() == [1, 1, 0, 0]
+    # the tie share: the rows the tie rule decides (weighted: rows 2 and 3; uniform: row 3)
+    assert tie_share(consensus_scores(zip(labels, experts), 4, 3)) == 0.5
+    assert tie_share(consensus_scores(((l, None) for l in labels), 4, 3)) == 0.25
+
+
+def test_a_tie_is_a_tie_whatever_order_the_server_summed_the_votes_in():
+    # class 0 gets 0.3 + 0.2 + 0.1 = 0.6 and class 1 gets 0.1 + 0.2 + 0.3 = 0.6000000000000001
+    # in float64: the same three weights, summed in another order. Lowest class wins the tie.
+    def vote(label, weight):
+        return torch.tensor([label]), torch.tensor([weight], dtype=torch.float64)
+
+    votes = [vote(0, 0.3), vote(1, 0.1), vote(0, 0.2), vote(1, 0.2), vote(0, 0.1), vote(1, 0.3)]
+    scores = consensus_scores(votes, 1, 2)
+    assert scores[0, 0] < scores[0, 1]  # the rounding this test is about
+    assert consensus(votes, 1, 2).tolist() == [0] and tie_share(scores) == 1.0
+    # a real difference (one 8-bit step of a weight) is not a tie
+    votes[-1] = vote(1, 0.3 + 1 / 255)
+    assert consensus(votes, 1, 2).tolist() == [1] and tie_share(consensus_scores(votes, 1, 2)) == 0.0
 
 
 # -- lambda --------------------------------------------------------------------------
@@ -61,6 +82,68 @@ def test_lambda_formula_and_its_three_regimes():
     assert adaptive_lambda(1.0, 0.0, eps=0) == pytest.approx(math.e)  # the upper bound
     t = adaptive_lambda(torch.tensor(0.5, requires_grad=True), torch.tensor(0.8, requires_grad=True))
     assert not t.requires_grad  # a weight, computed without gradient
+
+
+# -- one local step on a hand-set model -------------------------------------------------
+
+
+def one_step(pseudo_y=None, **params):
+    """FedMosaic.local_train for one step (batch 1, SGD lr 0.5) of a Linear(2, 2) set to the
+    identity, private example ([1, 0], y = 0), public example [0, 1]; no engine."""
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))
+        model.bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    logged, work = {}, []
+    training = SimpleNamespace(batch_size=1, local_epochs=1, shuffle=False, drop_last=True)
+    ctx = SimpleNamespace(spec=SimpleNamespace(training=training, evaluation=SimpleNamespace(batch_size=16)),
+                          data=SimpleNamespace(public=SimpleNamespace(x=torch.tensor([[0.0, 1.0]]))),
+                          round=2, log=lambda metrics=None, **more: logged.update(metrics or {}, **more))
+    client = SimpleNamespace(
+        id=0, model=model, optimizer=lambda: optimizer, state={}, generator=lambda purpose: torch.Generator(),
+        data=SimpleNamespace(train_x=torch.tensor([[1.0, 0.0]]), train_y=torch.tensor([0])),
+        scratch={} if pseudo_y is None else {"pseudo_y": torch.tensor([pseudo_y])},
+        objective=lambda model, x, y, logits: F.cross_entropy(logits, y),
+        count_work=lambda private=0, public=0: work.append((private, public)))
+    metrics = FedMosaic(FedMosaicParams(**{"warmup_epochs": 0, **params})).local_train(ctx, client)
+    return model, metrics, logged, work
+
+
+def softplus(v):
+    return math.log1p(math.exp(v))
+
+
+def test_one_step_descends_l_priv_plus_a_gradient_free_lambda_times_l_pseudo():
+    model, metrics, logged, work = one_step(pseudo_y=0)
+    # logits: private [1, 0] (label 0), public [0, 1] (consensus label 0)
+    l_priv, l_pseudo = softplus(-1), softplus(1)            # l_pseudo - l_priv = 1 exactly
+    lam = math.exp(-(l_pseudo - l_priv) / (l_priv + 1e-6))  # ~0.041; a flipped sign gives ~24
+    assert logged["lambda/0"] == pytest.approx(lam, rel=1e-5)
+    assert metrics["train_loss"] == pytest.approx(l_priv + lam * l_pseudo, rel=1e-5)
+    # d CE / d logits = softmax - onehot: private [-(1 - s), 1 - s], public [-s, s], s = sigmoid(1).
+    # With lambda a constant (no gradient through it): W <- I - 0.5 (g_priv x_priv^T + lambda g_pub x_pub^T)
+    s = 1 / (1 + math.exp(-1))
+    expected_w = [[1 + 0.5 * (1 - s), 0.5 * lam * s], [-0.5 * (1 - s), 1 - 0.5 * lam * s]]
+    expected_b = [0.5 * ((1 - s) + lam * s), -0.5 * ((1 - s) + lam * s)]
+    assert model.weight.tolist() == [pytest.approx(row, rel=1e-5) for row in expected_w]
+    assert model.bias.tolist() == pytest.approx(expected_b, rel=1e-5)
+    assert work == [(1, 1)]  # one private and one public sample counted
+
+
+def test_no_pseudo_term_before_any_consensus_exists():
+    model, metrics, logged, work = one_step(pseudo_y=None)
+    s = 1 / (1 + math.exp(-1))
+    assert metrics["train_loss"] == pytest.approx(softplus(-1), rel=1e-6)
+    assert model.weight.tolist() == [pytest.approx([1 + 0.5 * (1 - s), 0.0]), pytest.approx([-0.5 * (1 - s), 1.0])]
+    assert model.bias.tolist() == pytest.approx([0.5 * (1 - s), -0.5 * (1 - s)])
+    assert not logged and work == [(1, 0)]  # no lambda, no public sample
+
+
+def test_fixed_lambda_replaces_the_adaptive_weight():
+    model, metrics, logged, _ = one_step(pseudo_y=0, fixed_lambda=2.0)
+    assert logged["lambda/0"] == 2.0
+    assert metrics["train_loss"] == pytest.approx(softplus(-1) + 2 * softplus(1), rel=1e-6)
 
 
 # -- expertise -----------------------------------------------------------------------
@@ -126,13 +209,130 @@ def test_counted_bytes_in_a_run_match_the_encoding():
 def test_fedct_equals_fedmosaic_with_lambda_fixed_at_one_and_uniform_expertise():
     rounds = {"experiment.rounds": 3}
     _, ct = run_tiny(**{"algorithm.name": "fedct", **PUBLIC, **rounds})
-    _, fixed = run_tiny(**mosaic(fixed_lambda=1.0, expertise="uniform"), **rounds)
-    _, adaptive = run_tiny(**mosaic(expertise="uniform"), **rounds)
+    _, fixed = run_tiny(**mosaic(fixed_lambda=1.0, expertise="uniform", warmup_epochs=0), **rounds)
+    _, adaptive = run_tiny(**mosaic(expertise="uniform", warmup_epochs=0), **rounds)
     for i in range(4):
         a, b, c = ct.ctx.store[i]["weights"], fixed.ctx.store[i]["weights"], adaptive.ctx.store[i]["weights"]
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # the adaptive lambda does change training
     assert torch.equal(ct.ctx.server["consensus"], fixed.ctx.server["consensus"])
+    # with a warm-up too (FedCT's default is none)
+    _, ct = run_tiny(**{"algorithm.name": "fedct", **PUBLIC, "algorithm.params.warmup_epochs": 1})
+    _, fixed = run_tiny(**mosaic(fixed_lambda=1.0, expertise="uniform", warmup_epochs=1))
+    assert all(torch.equal(ct.ctx.store[0]["weights"][k], fixed.ctx.store[0]["weights"][k]) for k in a)
+
+
+# -- warm-up, phases, budget -----------------------------------------------------------
+
+
+class UploadSpy(Plugin):
+    """Records every upload as the server receives it (a test add-on, registered by hand)."""
+
+    name = "upload_spy"
+
+    def __init__(self):
+        super().__init__()
+        self.uploads = []
+
+    @hookimpl(wrapper=True)
+    def client_upload(self, ctx, client):
+        upload = yield
+        self.uploads.append((ctx.round, client.id, upload))
+        return upload
+
+
+def run_with_spy(**overrides):
+    resolved = resolve(tiny_raw(**overrides))
+    spy = UploadSpy()
+    resolved.plugins.insert(0, spy)  # add-ons first, the algorithm last
+    engine = Engine(resolved, progress=False)
+    return engine.run(), engine, spy
+
+
+def same_weights(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_warmup_is_private_training_before_the_first_upload():
+    # Round 1 has no consensus: FedMosaic's round 1 with a 2-epoch warm-up is 3 epochs of
+    # private training, exactly Local's 3 epochs (same batches, same optimiser), and the
+    # first upload is that model's hard labels on U with its expertise.
+    one = {"experiment.rounds": 1}
+    result, mosaic_run, spy = run_with_spy(**mosaic(warmup_epochs=2), **one)
+    local, local_run = run_tiny(**{"algorithm.name": "local", **PUBLIC, "training.local_epochs": 3}, **one)
+    ctx = local_run.ctx
+    for i in range(4):
+        local_w = ctx.store[i]["weights"]
+        assert same_weights(mosaic_run.ctx.store[i]["weights"], local_w)
+        model = load_state(ctx.client(i).model, local_w)
+        logits = predict_logits(model, ctx.data.public.x)
+        (rnd, cid, upload), = [u for u in spy.uploads if u[1] == i]
+        assert torch.equal(upload["labels"].value.long(), logits.argmax(1))
+        counts = ctx.client(i).data.label_counts("train", ctx.num_classes)
+        assert torch.equal(upload["expertise"].value, quantise(expertise_scores("W", logits, counts, 1e-6), 1.0, 8))
+    assert result.final["budget.private_epochs"] == local.final["budget.private_epochs"]
+    assert result.final["acc_mean"] == local.final["acc_mean"]
+
+
+def test_warmup_happens_once_and_is_counted_in_the_budget():
+    # FedMosaic: 2 warm-up epochs + 3 rounds x 1 epoch = 5 private epochs; Local 5 x 1.
+    result, _ = run_tiny(**mosaic(warmup_epochs=2), **{"experiment.rounds": 3})
+    local, _ = run_tiny(**{"algorithm.name": "local", **PUBLIC, "experiment.rounds": 5})
+    assert result.final["budget.private_epochs"] == pytest.approx(local.final["budget.private_epochs"])
+    assert result.final["budget.public_epochs"] > 0  # co-training steps on U in rounds 2-3
+    declared = resolve(tiny_raw(**mosaic(warmup_epochs=2), **{"experiment.rounds": 3})).as_dict["budget"]
+    assert declared["private_epochs"] == 5 and declared["pretrain_private_epochs"] == 2
+    assert declared["private_epochs_per_round"] == 1
+
+
+def test_lambda_zero_is_local_training_bit_for_bit():
+    # With lambda fixed at 0 the pseudo term adds exactly nothing: the private batches and
+    # optimiser are client.train's, so the weights are Local's.
+    _, zero = run_tiny(**mosaic(fixed_lambda=0.0, warmup_epochs=0))
+    _, local = run_tiny(**{"algorithm.name": "local", **PUBLIC})
+    for i in range(4):
+        assert same_weights(zero.ctx.store[i]["weights"], local.ctx.store[i]["weights"])
+
+
+def test_uploads_are_hard_labels_and_expertise_never_parameters():
+    _, engine, spy = run_with_spy(**mosaic(), **{"experiment.rounds": 2})
+    num_public = len(engine.ctx.data.public.x)
+    for _round, _cid, upload in spy.uploads:
+        assert set(upload) == {"labels", "expertise"}
+        assert upload["labels"].value.shape == upload["expertise"].value.shape == (num_public,)
+        assert not upload["labels"].value.is_floating_point() and upload["expertise"].bits == 8
+    _, _, spy = run_with_spy(**{"algorithm.name": "fedct", **PUBLIC, "experiment.rounds": 2})
+    assert all(set(upload) == {"labels"} for _r, _c, upload in spy.uploads)
+
+
+def test_the_evaluated_model_is_the_clients_own_h_i():
+    result, engine = run_tiny(**mosaic(), **{"experiment.rounds": 2})
+    ctx = engine.ctx
+    for row in result.client_rows:
+        client = ctx.client(row["client"])
+        own = load_state(ctx.models.build(client.arch), ctx.store[client.id]["weights"])
+        assert row["acc"] == score(own, client.data.test_x, client.data.test_y).accuracy
+    assert not same_weights(ctx.store[0]["weights"], ctx.store[1]["weights"])
+
+
+def test_consensus_diagnostics_are_logged_every_round_and_never_used():
+    engine = Engine(resolve(tiny_raw(**mosaic(expertise="uniform"), **{"experiment.rounds": 2})), progress=False)
+    ctx = engine.prepare()
+    ctx.hooks.setup(ctx=ctx)
+    shuffled = Engine(resolve(tiny_raw(**mosaic(expertise="uniform"), **{"experiment.rounds": 2})), progress=False)
+    sctx = shuffled.prepare()
+    sctx.hooks.setup(ctx=sctx)
+    sctx.data.public.true_y = sctx.data.public.true_y.flip(0)  # other "true" labels for U
+    for r in (1, 2):
+        for e, c in ((engine, ctx), (shuffled, sctx)):
+            c.round_metrics = {}
+            e.run_round(c, r)
+        labels = ctx.server["consensus"].long()
+        assert torch.equal(labels, sctx.server["consensus"].long())  # the method never reads true_y
+        assert ctx.round_metrics["consensus_acc"] == float((labels == ctx.data.public.true_y).double().mean())
+        assert sctx.round_metrics["consensus_acc"] == float((labels == sctx.data.public.true_y).double().mean())
+        assert "consensus_tie_share" in ctx.round_metrics
+    assert same_weights(ctx.store[0]["weights"], sctx.store[0]["weights"])
 
 
 # -- lambda in a run: logged, plotted, "round" mode ------------------------------------
@@ -200,15 +400,24 @@ def test_an_unknown_expertise_mode_fails_naming_the_key():
     assert err.value.path == "algorithm.params.lambda_mode"
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, "2", True])
+def test_a_bad_warmup_fails_naming_the_key(value):
+    for name in ("fedmosaic", "fedct"):
+        with pytest.raises(SpecError) as err:
+            resolve(tiny_raw(**{"algorithm.name": name, **PUBLIC, "algorithm.params.warmup_epochs": value}))
+        assert err.value.path == "algorithm.params.warmup_epochs"
+
+
 def test_a_public_set_larger_than_the_pool_fails_naming_the_key():
     with pytest.raises(SpecError) as err:
         Engine(resolve(tiny_raw(**{**mosaic(), "public.size": 10_000})), progress=False).prepare()
     assert err.value.path == "public.size"
 
 
-def test_cli_dry_run_exits_2_with_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("key, value", [("expertise", "X"), ("warmup_epochs", -2)])
+def test_cli_dry_run_exits_2_with_one_line(tmp_path, capsys, key, value):
     spec = tmp_path / "bad.toml"
-    spec.write_text(tomlout.dumps(tiny_raw(**mosaic(expertise="X"))))
+    spec.write_text(tomlout.dumps(tiny_raw(**mosaic(**{key: value}))))
     assert run_main([str(spec), "--dry-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "algorithm.params.expertise" in err[0]
+    assert len(err) == 1 and f"algorithm.params.{key}" in err[0]

@@ -7,6 +7,8 @@ import torch
 
 from types import SimpleNamespace
 
+from pfl_core import tomlout
+from pfl_core.cli import run_main
 from pfl_core.errors import SpecError
 from pfl_core.payload import Packed
 from plugins.privacy import GaussianExpertise, GaussianExpertiseParams
@@ -93,7 +95,7 @@ def test_label_mechanism_logs_eps_and_both_add_ups_sum_per_round():
     eps_e = gaussian_epsilon(1.0, 1e-5, 60, 1.0)
     assert result.final["eps_L"] == pytest.approx(3.0)
     assert result.final["eps_round"] == pytest.approx(3.0 + eps_e)
-    default, _ = run_tiny(**BASE, **addon("label_mechanism", eps_label=0.5))
+    default, _ = run_tiny(**{**BASE, "algorithm.name": "fedct"}, **addon("label_mechanism", eps_label=0.5))
     assert default.final["eps_L"] == pytest.approx(60 * 0.5)  # worst case: every label of U
 
 
@@ -113,3 +115,36 @@ def test_bad_privacy_parameters_name_the_key():
     with pytest.raises(SpecError) as err:
         resolve(tiny_raw(**BASE, **addon("gaussian_expertise", delta=1.0)))
     assert err.value.path == "addons[0].params.delta"
+
+
+# -- label_mechanism with expertise in the clear ------------------------------------------
+
+
+@pytest.mark.parametrize("expertise", ["W", "U"])
+def test_label_mechanism_refuses_expertise_sent_without_noise(expertise):
+    # "W" is the share of the true predicted class: it gives the randomised label back.
+    # "U" is an un-noised function of the same model: the release has no finite epsilon.
+    mosaic = {**BASE, "algorithm.params.expertise": expertise}
+    both = [{"name": "corrupted_clients", "params": {"clients": [0]}}, {"name": "label_mechanism"}]
+    with pytest.raises(SpecError) as err:
+        resolve(tiny_raw(**mosaic, addons=both))
+    assert err.value.path == "addons[1].name" and f"expertise '{expertise}'" in str(err.value)
+    with pytest.raises(SpecError) as err:  # the default expertise is "W"
+        resolve(tiny_raw(**BASE, **addon("label_mechanism")))
+    assert err.value.path == "addons[0].name"
+
+
+def test_label_mechanism_is_accepted_with_noised_or_no_expertise():
+    noised = [{"name": "label_mechanism"}, {"name": "gaussian_expertise"}]
+    for algorithm in ({"algorithm.params.expertise": "W"}, {"algorithm.params.expertise": "U"}):
+        resolve(tiny_raw(**BASE, **algorithm, addons=noised))
+    resolve(tiny_raw(**BASE, **{"algorithm.params.expertise": "uniform"}, **addon("label_mechanism")))
+    resolve(tiny_raw(**{**BASE, "algorithm.name": "fedct"}, **addon("label_mechanism")))
+
+
+def test_label_mechanism_with_clear_expertise_exits_2_with_one_line(tmp_path, capsys):
+    spec = tmp_path / "leak.toml"
+    spec.write_text(tomlout.dumps(tiny_raw(**BASE, **addon("label_mechanism"))))
+    assert run_main([str(spec), "--dry-run"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "addons[0].name" in err[0] and "gaussian_expertise" in err[0]

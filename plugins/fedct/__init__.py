@@ -6,8 +6,13 @@ CE(private batch) + lambda * CE(public batch, consensus labels) with lambda fixe
 
 Implemented as a configuration of FedMosaic (one code path): ``expertise = "uniform"`` (no
 expertise is sent; up = |U| ceil(log2 C) bits per client and round) and
-``fixed_lambda = lambda_`` (default 1). ``tests/test_fedmosaic.py`` checks that FedCT gives
-bit-identical personal weights to FedMosaic with ``fixed_lambda = 1, expertise = "uniform"``.
+``fixed_lambda = lambda_`` (default 1); ``comm_period`` and ``public_passes`` as FedMosaic's.
+``tests/test_fedmosaic.py`` checks that FedCT gives bit-identical personal weights to FedMosaic with ``fixed_lambda = 1, expertise = "uniform"``
+(and the same ``warmup_epochs``).
+
+``warmup_epochs`` (private-only epochs before the first upload, FedMosaic's warm-up) defaults
+to 0: FedCT as published has none. Set it to FedMosaic's value to compare the two on the same
+budget.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Optional
 
 from attrs import define, field
 
-from pfl_core.spec import at_least, finite
+from pfl_core.spec import at_least, finite, greater_than
 from plugins.fedmosaic import FedMosaic
 
 
@@ -24,7 +29,8 @@ from plugins.fedmosaic import FedMosaic
 class FedCTParams:
     fixed_lambda: float = field(default=1.0, validator=[finite, at_least(0)])
     comm_period: Optional[int] = field(default=None, validator=at_least(1))
-    public_batch_size: Optional[int] = field(default=None, validator=at_least(1))
+    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)])
+    warmup_epochs: int = field(default=0, validator=at_least(0))
 
     # What FedMosaic reads, fixed for FedCT (not spec keys).
     @property

@@ -28,10 +28,16 @@ Decisions where the paper is silent (also in docs/reproductions.md):
   each round (seeded) and sends its indices (ceil(log2 |U|) bits each) with the broadcast.
 - Communication: logits float32, |A_t| x C x 4 bytes each way per client and round.
 - Aggregation: the plain mean over the round's participants (as the paper).
+- Budget (``local_work``): round 1 does ``transfer_epochs`` on U and ``private_epochs`` on
+  D_i; every later round ``digest_epochs`` on A_t (|A_t| / |U| of a pass over U each) and
+  ``revisit_epochs`` on D_i. Declared as the later rounds' work per round plus a first-round
+  correction (may be negative), as plugins/codistill does. With ``alignment_size`` and
+  ``public.fraction`` (|U| unknown before the data) the public part is nan.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 from attrs import define, field
 
 from pfl_core import Plugin, SpecError, hookimpl
+from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state
 from pfl_core.payload import Packed, bits_for_classes
 from pfl_core.spec import at_least, one_of
@@ -70,6 +77,19 @@ class FedMD(Plugin):
                 and self.params.alignment_size > spec.public.size:
             raise SpecError(f"{self.spec_path}.params.alignment_size",
                             f"{self.params.alignment_size} exceeds public.size = {spec.public.size}")
+
+    def local_work(self, spec) -> LocalWork:
+        p = self.params
+        if p.alignment_size is None:
+            share = 1.0
+        elif spec.public is not None and spec.public.size is not None:
+            share = min(p.alignment_size / spec.public.size, 1.0)
+        else:
+            share = math.nan
+        digest = p.digest_epochs * share
+        return LocalWork(float(p.revisit_epochs), public_epochs_per_round=digest,
+                         pretrain_private_epochs=float(p.private_epochs - p.revisit_epochs),
+                         pretrain_public_epochs=p.transfer_epochs - digest)
 
     # -- server ------------------------------------------------------------------------
 

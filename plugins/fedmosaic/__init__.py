@@ -7,6 +7,7 @@ for every client, then the server's lines 14-18)::
 
     client i (on_receive, local_train):
         h_i <- its personal weights (client.state);  P <- (U, L_{t-1}) from the broadcast
+        first round of client i only: warmup_epochs epochs of l_priv steps   (warm-up)
         repeat b = comm_period local steps:
             l_priv   = CE(h_i, private batch)                              (line 3)
             l_pseudo = CE(h_i, public batch labelled by P)                 (line 4)
@@ -18,6 +19,7 @@ for every client, then the server's lines 14-18)::
         E_i[j] = expertise of that prediction         -> quantised to expertise_bits (8) bits
     server (server_aggregate):                                             (lines 15-17)
         S = sum_i diag(E_i) onehot(L_i);  L_t[j] = argmax_c S[j, c]  (ties: lowest class index)
+        log consensus_acc, consensus_tie_share                            (diagnostics)
     server (on_broadcast): L_t to every client, ceil(log2 C) bits per example   (line 18)
 
 Expertise (``expertise``):
@@ -36,23 +38,47 @@ Decisions where the paper and METHODS.md are silent (also in
 docs/reproductions.md):
 
 - ``comm_period`` None (default) = ``training.local_epochs`` epochs of the client's private
-  data, i.e. ceil(n_i / batch_size) * local_epochs steps. ``experiment.rounds`` is then the
-  number of communications (T / b in the paper's notation).
-- Public batches have ``public_batch_size`` examples (default ``training.batch_size``) and
-  cycle through a seeded permutation of U (``client.generator("public")``), reshuffled at
-  each wrap.
+  data, i.e. (n_i // batch_size) * local_epochs steps (ceil with ``training.drop_last =
+  false``); private batches follow ``client.train``'s order exactly (``private_batches``).
+  ``experiment.rounds`` is then the number of communications (T / b in the paper's notation).
+- Warm-up (``warmup_epochs``, not in the paper): in a client's first round its first
+  ``warmup_epochs`` epochs are private-only steps (same optimiser, same batch stream), then
+  the round's b steps as above; so its first upload comes from a model that has seen its
+  data. Why: at our scale the first-round voters were incompetent (after ~15 steps three
+  clients predicted one class on all of U), lambda fell to 0 for every client and FedMosaic
+  became Local. Counted in the budget: ``local_work`` declares it as
+  ``pretrain_private_epochs`` and every step is counted with ``client.count_work``, so Local
+  can be given the same total private epochs. FedMosaic with ``warmup_epochs = w`` and one
+  round equals Local with ``w + local_epochs`` epochs bit for bit (tested). Default
+  ``WARMUP_EPOCHS``: see "Warm-up default" below.
+- Public batches: each co-training step pairs its private batch with a public batch, and a
+  local epoch's steps together make ``public_passes`` passes over U (default 1: an epoch
+  covers D_i and P once each, as training on D_i u P does). The epoch's
+  round(public_passes * |U|) public indices are the next ones of a stream of seeded
+  permutations of U (``client.generator("public")``, a fresh one at each wrap), split over
+  its steps as evenly as possible (``public_batches``); a step whose share is empty has no
+  pseudo term. So public work is declarable before the data exists: public_passes *
+  local_epochs passes of U per co-training round (``local_work``). Lower ``public_passes``
+  where |U| is much larger than D_i and compute matters.
 - l_priv is ``client.objective`` (the core's cross-entropy plus any add-on's
   ``local_objective`` term); l_pseudo is plain cross-entropy on the consensus labels.
 - In ``"round"`` mode the two full-set losses are measured in eval mode, before the round's
-  first step, under ``torch.no_grad``.
+  first co-training step (after any warm-up), under ``torch.no_grad``.
 - Quantisation: E is clipped to its known range [0, c] (c = 1 for "W", log C for "U"; no
   scale needs sending) and sent as round(E / c * (2^bits - 1)). The server dequantises and
   adds eps, so every vote keeps a positive weight, as the paper's E in (0, inf)^|U| requires.
 - The lambda logged per client and round (``lambda/<id>``) is the mean of the round's
   per-step lambdas in "batch" mode, the round's lambda in "round" mode; it is not logged
-  before the first consensus exists (round 1). ``consensus_acc`` (the consensus's accuracy
-  on U's true labels, analysis only) is logged every round. The plot of lambda by round for
-  all clients is logged at the end as ``fedmosaic/lambda_by_round.png`` (+ ``.csv``).
+  before the first consensus exists (round 1). The plot of lambda by round for all clients is
+  logged at the end as ``fedmosaic/lambda_by_round.png`` (+ ``.csv``).
+- Diagnostics logged every round, never read by the method: ``consensus_acc``, the accuracy
+  of L_t against U's true labels (``ctx.data.public.true_y``: a simulation knows them even
+  when ``public.labelled = false``; no client or training step sees them), and
+  ``consensus_tie_share``, the share of U whose top score S[j, c] is reached by more than
+  one class (the examples the tie rule decides).
+- Ties: scores equal up to a relative 1e-9 (``TIE_RTOL``) are tied, so the lowest-class rule
+  does not depend on the order the server summed the votes in (float rounding). Distinct
+  quantised weights differ by far more.
 - Personalized model: the client's own h_i.
 """
 
@@ -71,11 +97,14 @@ from pfl_core.context import clone_state
 from pfl_core.evaluation import score
 from pfl_core.payload import Packed, bits_for_classes
 from pfl_core.spec import at_least, between, finite, greater_than, one_of
-from pfl_core.training import batch_order
+from pfl_core.budget import LocalWork
+from pfl_core.training import batch_order, batch_starts
 from plugins.codistill import predict_logits, require_public
 from plugins.local import load_personal
 
 EXPERTISE_MODES = ("W", "U", "uniform")
+WARMUP_EPOCHS = 3  # measured default: see the module docstring, "Warm-up"
+TIE_RTOL = 1e-9  # scores this close (relative) count as tied: float rounding, not a vote
 
 
 @define
@@ -86,9 +115,12 @@ class FedMosaicParams:
     expertise: str = field(default="W", validator=one_of(*EXPERTISE_MODES))
     # Local steps between communications (Alg. 1's b); None: training.local_epochs epochs.
     comm_period: Optional[int] = field(default=None, validator=at_least(1))
-    public_batch_size: Optional[int] = field(default=None, validator=at_least(1))
+    # Passes over U per local epoch of co-training (spread over the epoch's steps).
+    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)])
     expertise_bits: int = field(default=8, validator=between(1, 16))
     eps: float = field(default=1e-6, validator=[finite, greater_than(0)])
+    # Epochs of private-only training in a client's first round, before its first upload.
+    warmup_epochs: int = field(default=WARMUP_EPOCHS, validator=at_least(0))
 
 
 # ---------------------------------------------------------------------------
@@ -143,20 +175,40 @@ def label_dtype(num_classes: int) -> torch.dtype:
     return torch.uint8 if num_classes <= 256 else torch.int32
 
 
-def consensus(votes, num_public: int, num_classes: int) -> torch.Tensor:
-    """L[j] = argmax_c S[j, c], S = sum_i diag(E_i) onehot(L_i); ties go to the lowest class.
+def consensus_scores(votes, num_public: int, num_classes: int) -> torch.Tensor:
+    """S = sum_i diag(E_i) onehot(L_i) (|U| x C, float64).
 
     ``votes`` iterates over (labels L_i, weights E_i or None for a weight of 1). Streams:
-    holds only S (|U| x C).
+    holds only S.
     """
     scores = torch.zeros(num_public, num_classes, dtype=torch.float64)
     rows = torch.arange(num_public)
     for labels, weights in votes:
         w = torch.ones(num_public, dtype=torch.float64) if weights is None else weights.double()
         scores[rows, labels.long()] += w
-    # argmax returns the first maximal index: the lowest class wins a tie (made explicit).
+    return scores
+
+
+def top_classes(scores: torch.Tensor) -> torch.Tensor:
+    """Per row, which classes reach the top score (equal up to ``TIE_RTOL`` relative:
+    summing the same weights in another order may differ in the last bits)."""
     best = scores.max(dim=1, keepdim=True).values
-    return (scores == best).to(torch.uint8).argmax(dim=1)
+    return scores >= best - TIE_RTOL * best.abs()
+
+
+def consensus_labels(scores: torch.Tensor) -> torch.Tensor:
+    """L[j] = argmax_c S[j, c]; ties go to the lowest class index."""
+    return top_classes(scores).to(torch.uint8).argmax(dim=1)  # argmax: the first maximal index
+
+
+def tie_share(scores: torch.Tensor) -> float:
+    """Share of U whose top score is reached by more than one class."""
+    return float((top_classes(scores).sum(dim=1) > 1).double().mean()) if len(scores) else 0.0
+
+
+def consensus(votes, num_public: int, num_classes: int) -> torch.Tensor:
+    """L[j] = argmax_c S[j, c], S = sum_i diag(E_i) onehot(L_i); ties go to the lowest class."""
+    return consensus_labels(consensus_scores(votes, num_public, num_classes))
 
 
 # ---------------------------------------------------------------------------
@@ -164,6 +216,33 @@ def consensus(votes, num_public: int, num_classes: int) -> torch.Tensor:
 
 def mean_loss(model, x, y, batch_size: int) -> float:
     return score(model, x, y, batch_size).loss if len(y) else 0.0
+
+
+def private_batches(n: int, batch_size: int, generator, shuffle: bool, drop_last: bool):
+    """Index batches over the private set, epoch after epoch, in the order
+    ``pfl_core.training.run_epochs`` uses (one ``batch_order`` per epoch, ``batch_starts``), so
+    private-only steps are exactly ``client.train``'s. Endless; empty when there is no batch."""
+    starts = batch_starts(n, batch_size, drop_last)
+    while len(starts):
+        order = batch_order(n, generator, shuffle)
+        for start in starts:
+            yield order[start : start + batch_size]
+
+
+def public_batches(num_public: int, steps_per_epoch: int, per_epoch: int, generator):
+    """Index batches over U, epoch after epoch: each epoch takes the next ``per_epoch``
+    indices of a stream of permutations of U (a fresh one at each wrap) and splits them over
+    its ``steps_per_epoch`` steps, sizes differing by at most one. Endless."""
+    stream, pos = torch.randperm(num_public, generator=generator), 0
+    while True:
+        parts, need = [], per_epoch
+        while need > 0:
+            if pos >= num_public:
+                stream, pos = torch.randperm(num_public, generator=generator), 0
+            part = stream[pos : pos + need]
+            parts.append(part)
+            pos, need = pos + len(part), need - len(part)
+        yield from torch.tensor_split(torch.cat(parts) if parts else stream[:0], steps_per_epoch)
 
 
 class FedMosaic(Plugin):
@@ -200,10 +279,13 @@ class FedMosaic(Plugin):
                 yield labels, expertise
 
         public = ctx.data.public
-        labels = consensus(votes(), len(public), ctx.num_classes)
+        scores = consensus_scores(votes(), len(public), ctx.num_classes)
         if ctx.participants:
+            labels = consensus_labels(scores)
             ctx.server["consensus"] = labels.to(label_dtype(ctx.num_classes))
-            ctx.log(consensus_acc=float((labels == public.true_y.cpu()).double().mean()))
+            # Diagnostics only (a simulation knows U's labels; the method never reads them).
+            ctx.log(consensus_acc=float((labels == public.true_y.cpu()).double().mean()),
+                    consensus_tie_share=tie_share(scores))
         return True
 
     # -- client ------------------------------------------------------------------------
@@ -220,55 +302,73 @@ class FedMosaic(Plugin):
             return torch.tensor(float(self.params.fixed_lambda))
         return adaptive_lambda(l_priv, l_pseudo, self.params.eps)
 
+    def local_work(self, spec) -> LocalWork:
+        """Per round: ``training.local_epochs`` private epochs and ``public_passes`` times as
+        many passes over U; the first round adds ``warmup_epochs`` private epochs and has no
+        consensus to train on (hence the negative public correction, as in
+        plugins/codistill). With ``comm_period`` (steps) the epochs depend on the partition:
+        nan (the engine still measures them)."""
+        p = self.params
+        private = float(spec.training.local_epochs) if p.comm_period is None else math.nan
+        public = private * p.public_passes
+        return LocalWork(private, public_epochs_per_round=public,
+                         pretrain_private_epochs=float(p.warmup_epochs), pretrain_public_epochs=-public)
+
     @hookimpl
     def local_train(self, ctx, client):
         p, training = self.params, ctx.spec.training
         model = client.model
         optimizer = client.optimizer()
         x, y = client.data.train_x, client.data.train_y
-        n, batch = len(y), training.batch_size
-        steps = p.comm_period or math.ceil(n / batch) * training.local_epochs
+        batch = training.batch_size
+        per_epoch = len(batch_starts(len(y), batch, training.drop_last))
+        dropped = len(y) - min(len(y), per_epoch * batch)  # the remainder drop_last skips
+        steps = (p.comm_period or per_epoch * training.local_epochs) if per_epoch else 0
+        # Warm-up: the first steps of a client's first round are private-only (Alg. 1 with
+        # no pseudo term), so its first upload comes from a model that has seen its data.
+        warmup = 0 if client.state.get("warmed_up") else per_epoch * p.warmup_epochs
+        client.state["warmed_up"] = True
         pseudo_y = client.scratch.get("pseudo_y")
         public_x = ctx.data.public.x
-        public_batch = p.public_batch_size or batch
-
-        round_lambda = None
-        if pseudo_y is not None and p.lambda_mode == "round":
-            l_priv_full = mean_loss(model, x, y, ctx.spec.evaluation.batch_size)
-            l_pseudo_full = mean_loss(model, public_x, pseudo_y, ctx.spec.evaluation.batch_size)
-            round_lambda = self._lambda(l_priv_full, l_pseudo_full)
-
-        gen_priv, gen_pub = client.generator("train"), client.generator("public")
-        order, pos = batch_order(n, gen_priv, training.shuffle), 0
-        pub_order, pub_pos = torch.randperm(len(public_x), generator=gen_pub), 0
+        private = private_batches(len(y), batch, client.generator("train"), training.shuffle, training.drop_last)
+        public = public_batches(len(public_x), per_epoch, round(p.public_passes * len(public_x)),
+                                client.generator("public"))
         model.train()
+        round_lambda = None
         total, lambdas = torch.zeros((), dtype=torch.float64), []
-        for _ in range(steps):
-            if pos >= n:
-                order, pos = batch_order(n, gen_priv, training.shuffle), 0
-            idx, pos = order[pos : pos + batch], pos + batch
+        for step in range(warmup + steps):
+            idx = next(private)
             xb, yb = x[idx], y[idx]
             optimizer.zero_grad(set_to_none=True)
             logits = model(xb)
             l_priv = client.objective(model, xb, yb, logits)
-            loss = l_priv
-            if pseudo_y is not None:
-                if pub_pos >= len(public_x):
-                    pub_order, pub_pos = torch.randperm(len(public_x), generator=gen_pub), 0
-                pidx, pub_pos = pub_order[pub_pos : pub_pos + public_batch], pub_pos + public_batch
+            loss, public_seen = l_priv, 0
+            pidx = next(public) if pseudo_y is not None and step >= warmup else ()
+            if len(pidx):
+                if p.lambda_mode == "round" and round_lambda is None:  # once, before co-training
+                    round_lambda = self._round_lambda(ctx, model, x, y, public_x, pseudo_y)
                 l_pseudo = F.cross_entropy(model(public_x[pidx]), pseudo_y[pidx])
                 lam = round_lambda if round_lambda is not None else self._lambda(l_priv.detach(), l_pseudo.detach())
                 lambdas.append(float(lam))
-                loss = l_priv + lam * l_pseudo
+                loss, public_seen = l_priv + lam * l_pseudo, len(pidx)
             loss.backward()
             optimizer.step()
+            # An epoch counts as n samples, its dropped remainder included (as client.train).
+            ends_epoch = (step + 1) % per_epoch == 0
+            client.count_work(private=len(idx) + (dropped if ends_epoch else 0), public=public_seen)
             total += float(loss.detach())
         client.state["weights"] = clone_state(model)
         if lambdas:
             mean_lambda = float(np.mean(lambdas))
             ctx.log({f"lambda/{client.id}": mean_lambda})
             client.state.setdefault("lambda_history", []).append((ctx.round, mean_lambda))
-        return {"train_loss": float(total) / steps} if steps else {}
+        return {"train_loss": float(total) / (warmup + steps)} if warmup + steps else {}
+
+    def _round_lambda(self, ctx, model, x, y, public_x, pseudo_y):
+        """"round" mode: lambda from the full private set and the full pseudo-labelled U
+        (eval mode, no gradient), before the round's first co-training step."""
+        batch = ctx.spec.evaluation.batch_size
+        return self._lambda(mean_loss(model, x, y, batch), mean_loss(model, public_x, pseudo_y, batch))
 
     @hookimpl
     def client_upload(self, ctx, client):

@@ -11,7 +11,7 @@ GaussianExpertise (``gaussian_expertise``): the Gaussian mechanism on the expert
       eps_E = c * sqrt(|U|) / sigma * sqrt(2 ln(1.25 / delta)),
   c = 1 for class-frequency ("W") and log C for entropy ("U") expertise (the L2 sensitivity of
   E_i is c sqrt(|U|)). Logged as ``eps_E``. Needs an algorithm that uploads "expertise"
-  (fedmosaic with expertise W or U): checked at setup, naming the key.
+  (fedmosaic with expertise W or U): checked at validation, naming the key.
   Note: the classical Gaussian-mechanism bound is proven for eps <= 1; larger values are
   reported by the same formula, as the paper does.
 
@@ -24,6 +24,24 @@ LabelMechanism (``label_mechanism``): k-ary randomised response on the hard labe
   case without a stability assumption), so by composition over the changed labels
       eps_L = sensitivity * eps_label        (per client and round).
   Logged as ``eps_L``.
+
+  Refused (SpecError at ``addons[i].name``, at validation) when the algorithm also uploads
+  expertise and no ``gaussian_expertise`` add-on noises it:
+
+  - expertise "W": E_i[j] is the client's share of its *true* predicted class, so it is a
+    function of the label being randomised. A client's shares differ between its classes
+    (they tie only when two classes have exactly the same count), so the server maps E back
+    to the label exactly (group U by E; within a group the randomised labels' majority is
+    the true class, or read it off the client's shares); equal shares still narrow it to
+    the classes with that share. The randomisation is undone.
+  - expertise "U": E_i[j] = log C - H(softmax h_i(x_j)) does not name the class (the entropy
+    is unchanged by permuting classes), so it does not undo the randomisation as directly.
+    It is refused all the same: it is an un-noised function of the same private model, so
+    the round's release (randomised labels, E) has no finite epsilon and ``eps_round`` would
+    report a guarantee that does not hold; and it is side information on the label (how
+    confident the model is tells which examples it predicts among its own classes).
+  - no expertise (FedCT, expertise "uniform"): only the randomised labels leave the client;
+    accepted.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ from typing import Optional
 import torch
 from attrs import define, field
 
-from pfl_core import ADDON, Plugin, SpecError, hookimpl
+from pfl_core import ADDON, Plugin, SpecError, hookimpl, registry
 from pfl_core.payload import Packed
 from pfl_core.spec import at_least, between, finite, greater_than
 
@@ -55,6 +73,15 @@ def randomised_response(labels: torch.Tensor, eps_label: float, num_classes: int
     shift = torch.randint(1, num_classes, labels.shape, generator=generator)
     other = (labels.long() + shift) % num_classes
     return torch.where(keep, labels.long(), other).to(labels.dtype)
+
+
+def uploaded_expertise(spec) -> Optional[str]:
+    """The expertise mode ("W" or "U") the spec's algorithm uploads beside its labels, or None
+    (FedCT, expertise "uniform", algorithms without expertise)."""
+    algorithm = registry.instantiate(registry.ALGORITHM, spec.algorithm.name, spec.algorithm.params,
+                                     "algorithm.name", "algorithm.params")
+    mode = getattr(algorithm.params, "expertise", None)
+    return mode if mode in ("W", "U") else None
 
 
 def _add_epsilon(ctx, name: str, value: float) -> None:
@@ -79,11 +106,11 @@ class GaussianExpertise(Plugin):
         return expertise_bound(ctx.params.expertise, ctx.num_classes)
 
     @hookimpl
-    def setup(self, ctx):
-        if getattr(ctx.params, "expertise", None) not in ("W", "U"):
+    def check_spec(self, spec):
+        if uploaded_expertise(spec) is None:
             raise SpecError(f"{self.spec_path}.name",
                             f"{self.name} perturbs expertise scores, but algorithm "
-                            f"'{ctx.spec.algorithm.name}' uploads none (use fedmosaic with expertise W or U)")
+                            f"'{spec.algorithm.name}' uploads none (use fedmosaic with expertise W or U)")
 
     @hookimpl
     def on_round_start(self, ctx, round, participants):
@@ -120,6 +147,15 @@ class LabelMechanism(Plugin):
     def check_spec(self, spec):
         if spec.public is None:
             raise SpecError("public", f"{self.name} perturbs labels on a public set: add a [public] table")
+        expertise = uploaded_expertise(spec)
+        if expertise is not None and not any(ref.name == GaussianExpertise.name for ref in spec.addons):
+            why = ("the class share of the true predicted label, from which the server recovers it exactly"
+                   if expertise == "W" else "an un-noised function of the same private model, so the "
+                                            "round's release has no finite epsilon")
+            raise SpecError(f"{self.spec_path}.name",
+                            f"{self.name} randomises the labels, but '{spec.algorithm.name}' also uploads "
+                            f"expertise '{expertise}' in the clear ({why}): add a gaussian_expertise add-on "
+                            f"or use expertise = \"uniform\"")
 
     @hookimpl
     def on_round_start(self, ctx, round, participants):
