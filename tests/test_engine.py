@@ -35,7 +35,7 @@ def figures(monkeypatch):
         return "partition-figure"
 
     def curves_figure(history, keys, ylabel, title):
-        drawn.append(("curves", list(keys), title))
+        drawn.append(("curves", list(keys), ylabel, title))
         return "curves-figure"
 
     monkeypatch.setattr(plots, "partition_figure", partition_figure)
@@ -97,6 +97,7 @@ class Recorder(Plugin):
         self.losses = {}  # round -> [train_loss of each participant]
         self.global_draws = {}  # (round, client) -> torch.rand() drawn at on_receive
         self.evaluations = {}  # round -> (test scores, val scores) computed in on_round_end
+        self.coldstart_draws = {}  # client -> torch.rand() drawn when its cold start begins
 
     @hookimpl
     def setup(self, ctx):
@@ -112,7 +113,7 @@ class Recorder(Plugin):
 
     @hookimpl
     def on_round_start(self, ctx, round, participants):
-        assert ctx.round == round
+        assert ctx.round == round and ctx.participants == participants
         if self.fail_at_round == round:
             raise RuntimeError("probe failure")
         self.log.append(("on_round_start", round, list(participants)))
@@ -187,6 +188,7 @@ class Recorder(Plugin):
 
     @hookimpl(wrapper=True)
     def coldstart_personalize(self, ctx, client):
+        self.coldstart_draws[client.id] = torch.rand(()).item()
         self.log.append(("coldstart_personalize", client.id))
         return (yield)
 
@@ -567,7 +569,7 @@ def test_artifacts_resolved_spec_partition_and_client_table(figures):
     assert rows[0] == ",".join(result.client_rows[0])
     assert len(rows) == 1 + 4 and rows[1].startswith("0,mlp,")
     assert ("partition", table.tolist(), data.class_names, "domain partition, 4 clients") in figures
-    assert ("curves", ["acc_mean"], "fedavg: accuracy by round") in figures
+    assert ("curves", ["acc_mean"], "accuracy (mean over clients)", "fedavg: accuracy by round") in figures
     assert tracker.figures == {"partition/partition.png": "partition-figure",
                                "results/accuracy_by_round.png": "curves-figure"}
     assert ("close", "partition-figure") in figures and ("close", "curves-figure") in figures
@@ -613,3 +615,86 @@ def test_prepare_applies_executor_threads_only_when_set():
         assert torch.get_num_threads() == before + 1  # 0 keeps what torch has
     finally:
         torch.set_num_threads(before)
+
+
+def test_coldstart_choice_of_several_clients_and_their_seeds():
+    rec = Recorder()
+    _, engine = run(rec, **{"experiment.rounds": 1, "experiment.coldstart_clients": 2, "experiment.seed": 4})
+    chosen = sorted(numpy_rng(4, "coldstart").choice(4, 2, replace=False).tolist())
+    assert engine.ctx.coldstart_clients == chosen and len(set(chosen)) == 2
+    assert engine.ctx.training_clients == [i for i in range(4) if i not in chosen]
+    for i in chosen:  # each is personalised under its own seed, at the last round
+        expected = torch.rand((), generator=torch.Generator().manual_seed(derive_seed(4, "coldstart", 1, i))).item()
+        assert rec.coldstart_draws[i] == expected
+
+
+def test_a_coldstart_failure_is_tagged_on_the_run():
+    class Broken(Plugin):
+        name = "broken"
+        kind = registry.ADDON
+
+        @hookimpl
+        def coldstart_personalize(self, ctx, client):
+            raise ValueError("nope")
+
+    tracker = RecordingTracker()
+    result, _ = run(Broken(), tracker=tracker, **{"experiment.rounds": 1, "experiment.coldstart_clients": 1})
+    assert tracker.tags == {"pfl.error": result.errors[0]} and "ValueError: nope" in result.errors[0]
+    assert tracker.status == "FINISHED"
+    assert "coldstart" not in result.client_rows[0]  # rows of the training clients, unflagged
+
+
+def test_accuracy_figure_has_every_acc_mean_curve(figures):
+    run(**{"experiment.rounds": 1, "evaluation.validation": True})
+    (curves,) = [f for f in figures if f[0] == "curves"]
+    assert curves[1] == ["acc_mean", "val_acc_mean"]
+
+
+def test_progress_only_when_both_the_caller_and_the_spec_want_it():
+    on, off = resolve(tiny_raw(**{"tracking.progress": True})), resolve(tiny_raw())
+    assert Engine(on).show_progress is True
+    assert Engine(on, progress=False).show_progress is False
+    assert Engine(off, progress=True).show_progress is False
+
+
+def test_version_tag_is_the_package_version():
+    import pfl_core
+
+    tracker = RecordingTracker()
+    run(tracker=tracker, **{"experiment.rounds": 1})
+    assert tracker.started[3]["pfl.version"] == pfl_core.__version__
+
+
+@pytest.mark.parametrize("key, value, path", [
+    ("algorithm.name", "fedavgg", "algorithm.name"),
+    ("algorithm.params", {"nope": 1}, "algorithm.params"),
+    ("data.name", "nodata", "data.name"),
+    ("data.params", {"nope": 1}, "data.params"),
+    ("partition.scheme", "noscheme", "partition.scheme"),
+    ("partition.params", {"nope": 1}, "partition.params"),
+    ("model.params", {"nope": 1}, "model.params"),
+    ("model.pool", ["mlp", "lenet5"], "model.pool"),  # fedavg's check_spec runs in resolve
+])
+def test_resolve_names_the_bad_key(key, value, path):
+    from pfl_core.errors import SpecError
+
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**{key: value}))
+    assert info.value.path.startswith(path), info.value.path
+
+
+@pytest.mark.parametrize("addon, path", [({"name": "nothing_here"}, "addons[1].name"),
+                                         ({"name": "corrupted_clients", "params": {"nope": 1}}, "addons[1].params")])
+def test_resolve_names_the_bad_addon(addon, path):
+    from pfl_core.errors import SpecError
+
+    raw = tiny_raw()
+    raw["addons"] = [{"name": "corrupted_clients", "params": {"clients": [0]}}, addon]
+    with pytest.raises(SpecError) as info:
+        resolve(raw)
+    assert info.value.path.startswith(path), info.value.path
+
+
+def test_resolved_model_params_have_their_defaults_filled():
+    d = resolve(tiny_raw()).as_dict
+    assert d["model"]["params"]["hidden"] == [16] and "norm" in d["model"]["params"]
