@@ -127,3 +127,17 @@ def test_coldstart_with_zero_epochs_scores_the_global_model():
     client = engine.ctx.client(engine.ctx.coldstart_clients[0])
     model = engine.ctx.hooks.personalized_models(ctx=engine.ctx, client=client)[""]
     assert result.final["coldstart_acc_mean"] == score(model, client.data.test_x, client.data.test_y).accuracy
+
+
+BASELINES = ["fedavg", "fedprox", "local", "centralized", "fedalt", "fedsim", "fedbabu", "lgfedavg",
+             "corrupted_clients"]
+
+
+def test_each_baseline_class_carries_its_entry_point_name():
+    """The name a plugin reports (registration, messages) is the one a spec uses."""
+    from pfl_core import registry
+
+    for name in BASELINES:
+        cls = registry.plugin_class(name)
+        assert cls.name == name
+        assert cls.kind == (registry.ADDON if name == "corrupted_clients" else registry.ALGORITHM)
