@@ -24,9 +24,11 @@ Decisions where paper and METHODS.md are silent (also in docs/reproductions.md):
 - r is the core's ``experiment.participation`` (seeded per round); its spec default is 1.0,
   with which nobody is ever mixed and FedSimSup is local training of the summed model. The
   paper's r = 0.1 is set in the specs.
-- tau_s = tau_theta = 1: the paper's training details (appendix 7.3) are not in the seed
-  text; one epoch per phase keeps the local work equal to the baselines' one epoch per model.
-  Both phases use ``training.lr`` and ``training.optimizer``.
+- tau_s = tau_theta = 1 by default: the paper's training details (appendix 7.3) are not in
+  the seed text. Each phase is a full pass over the client's data, so a round costs
+  tau_s + tau_theta private epochs (``local_work``); a comparison at equal work gives the
+  baselines that many epochs per round (the specs do). ``training.local_epochs`` is not
+  used. Both phases use ``training.lr`` and ``training.optimizer`` with a fresh optimiser.
 - Default supervisor: ``lenet5`` with ``width = 0.4``: 9,722 parameters against the
   inter-learning LeNet-5's 62,006 on 3x32x32 / 10 classes, a ratio of 0.157 (about 1/6.4;
   width 0.41 gives 0.180). Widths are rounded per layer, so 1/6 exactly is not reachable.
