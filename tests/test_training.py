@@ -274,3 +274,17 @@ def test_train_loss_is_a_python_float_detached_from_the_graph():
     out = run_epochs(model, sgd(model, 0.1), torch.ones(3, 1), torch.zeros(3), epochs=1, batch_size=3,
                      loss_fn=output_sum)
     assert type(out["train_loss"]) is float and out["train_loss"] == pytest.approx(3.0)
+
+
+def test_run_epochs_keeps_the_last_partial_batch_unless_asked():
+    # the loop's own default (client training passes training.drop_last, default true, explicitly)
+    sizes = []
+
+    def loss_fn(m, x, y, logits):
+        sizes.append(len(y))
+        return logits.sum()
+
+    model = linear([0.0])
+    run_epochs(model, sgd(model, 0.1), torch.zeros(5, 1), torch.zeros(5), epochs=1, batch_size=2, loss_fn=loss_fn,
+               shuffle=False)
+    assert sizes == [2, 2, 1]
