@@ -282,6 +282,32 @@ def test_frozen_layers_are_neither_broadcast_nor_uploaded_nor_counted_nor_aggreg
     assert any(not torch.equal(local[k], init[k]) for k in layers[1])  # frozen = not sent, still trained
 
 
+def gap_schedule(params, *, stage, num_layers, dacc, progress, rng):
+    return None, [1.0, 0.0, 0.5, 0.0] if stage == "broadcast" else [0.0] * num_layers
+
+
+gap_schedule.uses_accuracy = False
+
+
+def test_a_pluggable_schedule_may_freeze_a_layer_below_a_shared_one(monkeypatch):
+    monkeypatch.setitem(pmixfed.SCHEDULES, "gap", gap_schedule)
+    engine, ctx = drive(tiny_raw(**DEEPER, **{"algorithm.params.schedule": "gap"}), 1)
+    layers = layer_keys(ctx.models.working("mlp"))
+    prev, local = dict(ctx.server["global"]), ctx.store[0]["local"]
+    ctx.round = 2
+    message = ctx.hooks.on_broadcast(ctx=ctx, client_id=0)
+    assert set(message["weights"]) == set(layers[0] + layers[2])
+    client = ctx.client(0)
+    ctx.hooks.on_receive(ctx=ctx, client=client, message=message)
+    now = client.model.state_dict()
+    for key in layers[1] + layers[3]:  # frozen fc2 and the head: the client's own
+        assert torch.equal(now[key], local[key])
+    for key in layers[2]:  # past the frozen layer, fc3 is still mixed: 0.5 global + 0.5 local
+        assert torch.allclose(now[key], 0.5 * prev[key] + 0.5 * local[key], atol=1e-6)
+    assert set(ctx.hooks.client_upload(ctx=ctx, client=client)["weights"]) == set(layers[0] + layers[2] + layers[3])
+    assert ctx.round_metrics["frozen_layers/0"] == 1
+
+
 def test_a_layer_some_clients_froze_is_averaged_over_the_others():
     avg, senders = partial_average([(0.25, {"base": torch.tensor([1.0]), "deep": torch.tensor([10.0])}),
                                     (0.75, {"base": torch.tensor([3.0])})])
@@ -304,14 +330,16 @@ def _acc(ctx, state, client_id, split):
 
 
 def test_dacc_is_measured_on_the_validation_split_at_broadcast_and_aggregation():
-    raw = tiny_raw(**DEEP, **{"experiment.rounds": 4, "algorithm.params.offset": 0.5,
+    raw = tiny_raw(**DEEP, **{"experiment.rounds": 6, "algorithm.params.offset": 0.5,
                               "algorithm.params.slope": 20.0, "partition.val_fraction": 0.3})
-    engine, ctx = drive(raw, 1)
+    engine, ctx = drive(raw, 3)  # after round 1 the global model is right nowhere; after 3 it is
     num_classes = ctx.num_classes
     for data in ctx.data.clients:  # a test split on which every accuracy differs from validation
         data.test_y = (data.test_y + 1) % num_classes
-    k, b, progress = 20.0, 0.5, (2 / 4) ** 2
+    k, b, progress = 20.0, 0.5, (4 / 6) ** 2
     prev_global = {key: v.clone() for key, v in ctx.server["global"].items()}
+    acc_global = [_acc(ctx, prev_global, i, "val") for i in range(4)]
+    assert sum(a > 0 for a in acc_global) >= 2  # both terms of dAcc matter
 
     def gamma_at_broadcast(client_id, split):
         dacc = _acc(ctx, ctx.store[client_id]["local"], client_id, split) - _acc(ctx, prev_global, client_id, split)
@@ -320,13 +348,12 @@ def test_dacc_is_measured_on_the_validation_split_at_broadcast_and_aggregation()
     expected = {i: gamma_at_broadcast(i, "val") for i in range(4)}
     assert any(expected[i] != pytest.approx(gamma_at_broadcast(i, "test")) for i in range(4))  # discriminates
     ctx.round_metrics = {}
-    engine.run_round(ctx, 2)
+    engine.run_round(ctx, 4)
     for i in range(4):
         assert ctx.round_metrics[f"gamma/{i}"] == pytest.approx(expected[i])
         assert ctx.server["mix"][i]["mu"] == pytest.approx(pmixfed.broadcast_degrees(expected[i], 3))
     assert ctx.round_metrics["gamma_mean"] == pytest.approx(np.mean(list(expected.values())))
     # aggregation: dAcc = mean_i Acc(previous global) - mean_i Acc(fresh local_i), on validation
-    acc_global = [_acc(ctx, prev_global, i, "val") for i in range(4)]
     acc_local = [_acc(ctx, ctx.store[i]["local"], i, "val") for i in range(4)]
     dacc = np.mean(acc_global) - np.mean(acc_local)
     assert dacc != 0
@@ -335,6 +362,30 @@ def test_dacc_is_measured_on_the_validation_split_at_broadcast_and_aggregation()
     upload = ctx.hooks.client_upload(ctx=ctx, client=_trained(ctx, 2))
     assert set(upload) == {"weights", "val_acc_local", "val_acc_global"}
     assert upload["val_acc_global"] == pytest.approx(acc_global[2])
+
+
+def test_without_a_validation_split_dacc_is_zero_and_nothing_is_sent():
+    raw = tiny_raw(**DEEP, **{"experiment.rounds": 2, "algorithm.params.offset": 0.5, "partition.val_fraction": 0.0})
+    engine, ctx = drive(raw, 2)
+    assert len(ctx.data.clients[0].val_y) == 0
+    for i in range(4):
+        assert ctx.round_metrics[f"gamma/{i}"] == pytest.approx(sig(-0.5))  # gamma = sigmoid(-b)
+    assert ctx.round_metrics["gamma_agg"] == pytest.approx(sig(-0.5))
+    client = _loaded(ctx, 0)
+    client.scratch["acc_local"] = pmixfed.val_accuracy(ctx, client, client.model)  # as local_train does
+    assert client.scratch["acc_local"] is None
+    assert set(ctx.hooks.client_upload(ctx=ctx, client=client)) == {"weights"}
+
+
+def test_a_two_layer_model_shares_its_base_and_averages_its_head():
+    result, engine = run_tiny(**SMALL, **{"algorithm.name": "pmixfed", "experiment.rounds": 1})  # fc1, fc2
+    ctx = engine.ctx
+    layers = layer_keys(ctx.models.working("mlp"))
+    assert len(layers) == 2 and ctx.server["mix"][0]["mu"] == [1.0, 0.0]
+    p = sample_weights(ctx, range(4))
+    for key in layers[1]:
+        assert torch.allclose(ctx.server["global"][key], sum(p[i] * ctx.store[i]["local"][key] for i in range(4)),
+                              atol=1e-6)
 
 
 def _trained(ctx, client_id):
@@ -416,13 +467,14 @@ def test_bad_parameters_name_their_key(key, value):
         resolve(tiny_raw(**{"algorithm.name": "pmixfed", f"algorithm.params.{key}": value}))
     assert err.value.path == f"algorithm.params.{key}"
     if key == "schedule":  # the message lists what is known
-        assert "must be one of 'sigmoid-adaptive', 'dynamic-only', 'beta', got 'cosine'" in str(err.value)
+        assert err.value.message == "must be one of 'sigmoid-adaptive', 'dynamic-only', 'beta', got 'cosine'"
 
 
 def test_a_single_layer_model_is_refused():
     with pytest.raises(SpecError) as err:
         resolve(tiny_raw(**{"algorithm.name": "pmixfed", "model.params.hidden": []}))
     assert err.value.path == "model.name"
+    assert "mlp has 1 layer(s), it needs at least 2" in str(err.value)
 
 
 @pytest.mark.parametrize("line, key", [
