@@ -343,7 +343,7 @@ class Recorder(NullTracker):
         self.metrics, self.figures, self.texts = {}, [], {}
 
     def log_metrics(self, metrics, step):
-        self.metrics[step] = dict(metrics)
+        self.metrics.setdefault(step, {}).update(metrics)
 
     def log_figure(self, figure, filename):
         self.figures.append(filename)
@@ -363,6 +363,9 @@ def test_lambda_is_logged_per_client_every_round_and_plotted_at_the_end():
         assert 0 <= tracker.metrics[r]["consensus_acc"] <= 1
     assert "fedmosaic/lambda_by_round.png" in tracker.figures
     assert tracker.texts["fedmosaic/lambda_by_round.csv"].count("\n") == 1 + 4 * 2
+    final = tracker.metrics[3]  # on_finish's metrics, logged at the last step
+    for i in range(4):
+        assert final[f"lambda_mean/{i}"] == pytest.approx((final[f"lambda/{i}"] + tracker.metrics[2][f"lambda/{i}"]) / 2)
 
 
 def test_round_mode_lambda_comes_from_the_full_set_losses_before_training():
