@@ -190,6 +190,16 @@ def test_fedbabu_without_fine_tuning_evaluates_the_global_model():
         assert row["acc"] == score(reference, data.test_x, data.test_y).accuracy
 
 
+def test_fedbabu_defaults_and_a_negative_fine_tuning_names_its_key():
+    from pfl_core.errors import SpecError
+    from plugins.fedbabu import FedBABUParams
+
+    assert FedBABUParams().finetune_epochs == 5 and FedBABUParams().split == -1  # the paper's main setting
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**DEEP, **{"algorithm.name": "fedbabu", "algorithm.params.finetune_epochs": -1}))
+    assert info.value.path == "algorithm.params.finetune_epochs"
+
+
 def test_fedbabu_local_work_is_the_federated_epochs():
     engine, ctx = start("fedbabu", **{"algorithm.params.finetune_epochs": 3})
     engine.run_round(ctx, 1)

@@ -42,10 +42,11 @@ class FedBABU(PartialModel):
     name = "fedbabu"
     Params = FedBABUParams
     shared_part = "base"
-    keeps_personal = False  # the head stays at its initial weights during federated training
 
     @hookimpl
     def local_train(self, ctx, client):
+        # Nothing personal is kept: the frozen head is the seeded initial one, which
+        # PartialModel.load_personal loads for a client without personal state.
         with only_training(client.model, set(self.shared_keys(ctx, client.arch))) as body:
             return client.train(optimizer=client.optimizer(params=body))
 
