@@ -698,3 +698,26 @@ def test_resolve_names_the_bad_addon(addon, path):
 def test_resolved_model_params_have_their_defaults_filled():
     d = resolve(tiny_raw()).as_dict
     assert d["model"]["params"]["hidden"] == [16] and "norm" in d["model"]["params"]
+
+
+def test_a_non_finite_upload_names_its_round_client_method_and_lr():
+    from pfl_core.errors import NonFiniteError
+
+    class NanUpload(Plugin):
+        name = "nan_upload"
+        kind = registry.ADDON
+
+        @hookimpl(wrapper=True)
+        def client_upload(self, ctx, client):
+            upload = yield
+            if (ctx.round, client.id) == (2, 2):
+                return {**upload, "deep": [(torch.tensor([1.0, float("nan")]),)]}
+            return upload
+
+    tracker = RecordingTracker()
+    with pytest.raises(NonFiniteError) as info:
+        run(NanUpload(), algorithm=Probe(), tracker=tracker, **{"experiment.rounds": 3, "training.lr": 0.05})
+    message = str(info.value)
+    assert message.startswith("round 2, client 2, method fedavg: a sent parameter became NaN or infinite")
+    assert "lower training.lr (now 0.05)" in message
+    assert tracker.status == "FAILED" and sorted(tracker.metrics) == [1]

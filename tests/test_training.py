@@ -288,3 +288,13 @@ def test_run_epochs_keeps_the_last_partial_batch_unless_asked():
     run_epochs(model, sgd(model, 0.1), torch.zeros(5, 1), torch.zeros(5), epochs=1, batch_size=2, loss_fn=loss_fn,
                shuffle=False)
     assert sizes == [2, 2, 1]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_training_naming_the_loss(bad):
+    from pfl_core.errors import NonFiniteError
+
+    model = linear([1.0])
+    with pytest.raises(NonFiniteError, match=f"training loss became {bad}"):
+        run_epochs(model, sgd(model, 0.1), torch.ones(1, 1), torch.zeros(1), epochs=1, batch_size=1,
+                   loss_fn=lambda m, x, y, logits: logits.sum() * bad)
