@@ -12,7 +12,7 @@ from torch import nn
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from plugins.ditto import Ditto, DittoParams, proximal_term
-from harness import (assert_close, assert_same, far_apart, model_bytes, prepared, recorded_training,
+from harness import (assert_close, assert_same, far_apart, model_bytes, prepared, recorded_training, state_of,
                      train_reference)
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
@@ -201,3 +201,32 @@ def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
     assert code == 2
     line = one_line_error(err)
     assert "algorithm.params.lam" in line and ">= 0" in line
+
+
+def test_a_coldstart_client_trains_its_personal_model_from_the_final_global_model():
+    engine, ctx = prepared(**LINEAR, **{"experiment.coldstart_epochs": 2, "algorithm.params.lam": 0.5})
+    engine.run_round(ctx, 1)
+    final = {k: v.clone() for k, v in ctx.server["global"].items()}
+    client = ctx.client(2)
+    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)[""]
+    expected = train_reference(ctx, 2, final, epochs=2, loss_fn=prox_loss(final, 0.5))
+    assert_close(state_of(model), expected)
+    assert far_apart(expected, train_reference(ctx, 2, final, epochs=2), expected)  # the term is on
+    assert far_apart(expected, train_reference(ctx, 2, ctx.models.initial_state("mlp"), epochs=2,
+                                                loss_fn=prox_loss(final, 0.5)), expected)  # from w, not v^0
+
+
+def test_zero_personal_epochs_keep_the_personal_model_and_train_only_the_global_one():
+    engine, ctx = prepared(**LINEAR, **{"algorithm.params.personal_epochs": 0})
+    assert engine.resolved.as_dict["budget"]["private_epochs_per_round"] == 1
+    engine.run_round(ctx, 1)
+    for i in range(4):
+        assert_same(ctx.store[i]["personal"], ctx.models.initial_state("mlp"))
+
+
+def test_registered_under_its_name_and_receive_answers():
+    from pfl_core import registry
+    assert registry.plugin_class("ditto") is Ditto and Ditto.name == "ditto"
+    _, ctx = prepared(**LINEAR)
+    client = ctx.client(0)
+    assert Ditto().on_receive(ctx=ctx, client=client, message=ctx.hooks.on_broadcast(ctx=ctx, client_id=0)) is True
