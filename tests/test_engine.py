@@ -101,6 +101,7 @@ class Recorder(Plugin):
 
     @hookimpl
     def setup(self, ctx):
+        self.tracker = ctx.tracker
         self.log.append(("setup",))
 
     @hookimpl(wrapper=True)
@@ -322,6 +323,7 @@ def test_evaluation_every_k_rounds_and_at_the_last_round():
     assert [s for s in sorted(tracker.metrics) if "acc_mean" in tracker.metrics[s]] == [2, 4, 5]  # ... scored on 2, 4, 5
     for h in result.history:
         assert {k: v for k, v in h.items() if k != "round"} == tracker.metrics[h["round"]]
+    assert result.final == {k: v for k, v in result.history[-1].items() if k != "round"}  # the last round's
 
 
 def test_the_metrics_are_those_of_the_model_after_that_round():
@@ -527,6 +529,10 @@ def test_run_starts_and_ends_the_tracked_run_with_the_resolved_spec():
     assert tags["algorithm"] == "fedavg" and tags["who"] == "me" and "pfl.version" in tags
     assert tracker.status == "FINISHED"
     named = RecordingTracker()
+    rec = Recorder()
+    resolved.plugins.insert(0, rec)
+    Engine(resolved, tracker=tracker, progress=False).run()
+    assert rec.tracker is tracker  # plugins log artifacts through ctx.tracker
     resolved = resolve(tiny_raw(**{"experiment.rounds": 1, "tracking.run_name": "mine",
                                    "tracking.experiment": "elsewhere"}))
     Engine(resolved, tracker=named, progress=False).run()
@@ -602,8 +608,9 @@ def test_pick_device():
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(PflError, match="executor.device"):
+        with pytest.raises(PflError) as info:
             pick_device("cuda")
+        assert str(info.value) == "executor.device: 'cuda' was asked for but no CUDA device is available"
 
 
 def test_prepare_applies_executor_threads_only_when_set():
@@ -639,7 +646,8 @@ def test_a_coldstart_failure_is_tagged_on_the_run():
 
     tracker = RecordingTracker()
     result, _ = run(Broken(), tracker=tracker, **{"experiment.rounds": 1, "experiment.coldstart_clients": 1})
-    assert tracker.tags == {"pfl.error": result.errors[0]} and "ValueError: nope" in result.errors[0]
+    assert result.errors == ["cold-start evaluation failed (ValueError: nope); the training results are kept"]
+    assert tracker.tags == {"pfl.error": result.errors[0]}
     assert tracker.status == "FINISHED"
     assert "coldstart" not in result.client_rows[0]  # rows of the training clients, unflagged
 
@@ -721,3 +729,52 @@ def test_a_non_finite_upload_names_its_round_client_method_and_lr():
     assert message.startswith("round 2, client 2, method fedavg: a sent parameter became NaN or infinite")
     assert "lower training.lr (now 0.05)" in message
     assert tracker.status == "FAILED" and sorted(tracker.metrics) == [1]
+
+
+def test_progress_is_told_every_round_with_metrics_only_when_scored(monkeypatch):
+    import pfl_core.engine as engine_module
+
+    made = []
+
+    class SpyProgress:
+        def __init__(self, total, label, enabled=True):
+            self.args, self.updates = (total, label, enabled), []
+            made.append(self)
+
+        def update(self, round, metrics=None):
+            self.updates.append((round, None if metrics is None else metrics.get("acc_mean")))
+
+    monkeypatch.setattr(engine_module, "Progress", SpyProgress)
+    result, _ = run(**{"experiment.rounds": 3, "evaluation.every": 2})
+    (spy,) = made
+    assert spy.args == (3, "fedavg", False)
+    scored = {h["round"]: h["acc_mean"] for h in result.history}
+    assert spy.updates == [(1, None), (2, scored[2]), (3, scored[3])]
+
+
+def test_partition_table_uses_the_dataset_class_names():
+    tracker = RecordingTracker()
+    engine = Engine(resolve(tiny_raw()), tracker=tracker, progress=False)
+    ctx = engine.prepare()
+    names = [f"class-{c}" for c in range(ctx.data.num_classes)]
+    ctx.data.class_names = names
+    engine._log_partition(ctx)
+    assert tracker.texts["partition/partition_table.csv"].splitlines()[0] == ",".join(["client", *names])
+
+
+def test_prepare_puts_the_run_on_the_executor_device_and_flushes_denormals():
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        ctx = Engine(resolve(tiny_raw()), progress=False).prepare()
+        assert ctx.device == torch.device("cpu") and ctx.models.device == torch.device("cpu")
+        assert float(torch.tensor([1e-40]) * 1.0) == 0.0  # a float32 denormal reads as 0
+    finally:
+        torch.set_flush_denormal(True)
+
+
+def test_run_result_defaults():
+    from pfl_core.engine import RunResult
+
+    a, b = RunResult([], [], {}), RunResult([], [], {})
+    assert a.run_id is None and a.errors == [] and a.errors is not b.errors
