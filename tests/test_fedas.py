@@ -232,6 +232,18 @@ def test_a_full_run_with_coldstart_clients():
     assert 0.0 <= result.final["coldstart_acc_mean"] <= 1.0 and not result.errors
 
 
+def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatch):
+    raw = tiny_raw(**{**BASE, "model.params.hidden": []})
+    with pytest.raises(SpecError) as info:
+        resolve(raw)  # before any data is loaded
+    assert info.value.path == "model.name" and "fedas needs a feature extractor" in str(info.value)
+    monkeypatch.setattr("plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
+    engine = Engine(resolve(raw), progress=False)
+    with pytest.raises(SpecError) as info:
+        engine.run()  # then setup, on the real model
+    assert info.value.path == "model.name" and "1 parameterised layer" in str(info.value)
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 

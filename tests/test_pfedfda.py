@@ -297,6 +297,18 @@ def test_defaults_are_the_documented_ones():
     assert (p.beta, p.folds, p.min_count, p.eps, p.head_layers) == ("single", 2, 2, 1e-4, 1)
 
 
+def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatch):
+    raw = tiny_raw(**{**BASE, "model.params.hidden": []})
+    with pytest.raises(SpecError) as info:
+        resolve(raw)  # before any data is loaded
+    assert info.value.path == "model.name" and "pfedfda needs a feature extractor" in str(info.value)
+    monkeypatch.setattr("plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
+    engine = Engine(resolve(raw), progress=False)
+    with pytest.raises(SpecError) as info:
+        engine.run()  # then setup, on the real model
+    assert info.value.path == "model.name" and "1 parameterised layer" in str(info.value)
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 

@@ -64,8 +64,7 @@ from pfl_core.aggregate import weighted_average
 from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least, finite, greater_than, one_of
-from plugins.fedpac import head_keys
-from plugins.fedper import FedPer
+from plugins.fedpac import ClassifierSplit, head_keys
 from plugins.fedproto import capture_embedding, local_prototypes
 from plugins.partial import only_training
 
@@ -109,7 +108,7 @@ def fisher_trace(model, x, y, batch_size: int, names=None) -> float:
     return total
 
 
-class FedAS(FedPer):
+class FedAS(ClassifierSplit):
     name = "fedas"
     Params = FedASParams
 

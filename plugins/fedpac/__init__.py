@@ -69,7 +69,7 @@ import torch
 from attrs import define, field
 from scipy.optimize import minimize
 
-from pfl_core import hookimpl
+from pfl_core import SpecError, hookimpl
 from pfl_core.aggregate import weighted_average
 from pfl_core.budget import LocalWork
 from pfl_core.context import load_state
@@ -77,7 +77,7 @@ from pfl_core.models.layers import layer_keys
 from pfl_core.spec import at_least, finite, greater_than
 from plugins.fedper import FedPer
 from plugins.fedproto import FedProto, aggregate_prototypes, capture_embedding, local_prototypes
-from plugins.partial import clone_keys, only_training
+from plugins.partial import clone_keys, only_training, probe_num_layers, spec_archs
 
 
 @define
@@ -151,7 +151,33 @@ def combine(alpha, heads: list[dict]) -> dict:
     return {k: sum(float(a) * head[k] for a, head in zip(alpha, heads)) for k in heads[0]}
 
 
-class FedPAC(FedPer):
+class ClassifierSplit(FedPer):
+    """FedPer's body/head bookkeeping with the head fixed to the last layer, the classifier
+    (FedPAC, FedAS, pFedFDA). A model with a single parameterised layer has no feature
+    extractor: refused at ``model.name``, before any data is loaded when the model can be probed."""
+
+    def _no_extractor(self, arch: str, layers: int) -> SpecError:
+        return SpecError("model.name", f"{self.name} needs a feature extractor before the classifier, "
+                                       f"but {arch} has {layers} parameterised layer(s)")
+
+    @hookimpl
+    def check_spec(self, spec):
+        super().check_spec(spec)
+        for arch in spec_archs(spec):
+            layers = probe_num_layers(spec, arch)
+            if layers is not None and layers < 2:
+                raise self._no_extractor(arch, layers)
+
+    @hookimpl
+    def setup(self, ctx):
+        arch = ctx.models.arch_of(ctx.training_clients[0])
+        layers = len(layer_keys(ctx.models.working(arch)))
+        if layers < 2:
+            raise self._no_extractor(arch, layers)
+        super().setup(ctx)
+
+
+class FedPAC(ClassifierSplit):
     name = "fedpac"
     Params = FedPACParams
 
@@ -263,5 +289,5 @@ class FedPAC(FedPer):
         return True
 
 
-__all__ = ["FedPAC", "FedPACParams", "combination_weights", "combine", "embeddings", "feature_statistics",
+__all__ = ["ClassifierSplit", "FedPAC", "FedPACParams", "combination_weights", "combine", "embeddings", "feature_statistics",
            "head_keys"]

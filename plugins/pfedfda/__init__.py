@@ -70,8 +70,7 @@ from pfl_core import SpecError, hookimpl
 from pfl_core.context import load_state
 from pfl_core.models.layers import parameterised_layers
 from pfl_core.spec import at_least, between, finite, one_of
-from plugins.fedpac import embeddings, head_keys
-from plugins.fedper import FedPer
+from plugins.fedpac import ClassifierSplit, embeddings, head_keys
 from plugins.partial import only_training
 
 
@@ -184,7 +183,7 @@ def solve_beta(z, y, glob, priors, mode: str, folds: int, min_count: int, eps: f
     return float(result.x[0]), float(result.x[1])
 
 
-class PFedFDA(FedPer):
+class PFedFDA(ClassifierSplit):
     name = "pfedfda"
     Params = PFedFDAParams
 
