@@ -295,6 +295,26 @@ def test_a_non_finite_loss_stops_training_naming_the_loss(bad):
     from pfl_core.errors import NonFiniteError
 
     model = linear([1.0])
-    with pytest.raises(NonFiniteError, match=f"training loss became {bad}"):
+    with pytest.raises(NonFiniteError) as info:
         run_epochs(model, sgd(model, 0.1), torch.ones(1, 1), torch.zeros(1), epochs=1, batch_size=1,
                    loss_fn=lambda m, x, y, logits: logits.sum() * bad)
+    assert str(info.value) == f"the training loss became {bad}"
+
+
+def test_a_parameter_a_batch_does_not_touch_is_not_moved_by_momentum():
+    # batch 1: loss = w x + b (b gets gradient 1); batch 2: loss = w x only (b gets none).
+    # SGD lr 0.1, momentum 0.9: b = 0 - 0.1 * 1 = -0.1 after batch 1 and stays there: its
+    # gradient is cleared to None, not to 0 (a zero gradient would move it by the momentum
+    # buffer again: -0.1 - 0.1 * 0.9 = -0.19).
+    model = linear([1.0], bias=0.0)
+    calls = []
+
+    def loss_fn(m, x, y, logits):
+        calls.append(len(calls))
+        return logits.sum() if len(calls) == 1 else (m.weight * x).sum()
+
+    run_epochs(model, sgd(model, 0.1, momentum=0.9), torch.ones(2, 1), torch.zeros(2), epochs=1, batch_size=1,
+               loss_fn=loss_fn, shuffle=False)
+    assert float(model.bias.detach()) == pytest.approx(-0.1, abs=1e-7)
+    # w: gradient 1 twice: v = 1, w = 0.9; v = 1.9, w = 0.9 - 0.19 = 0.71
+    assert float(model.weight.detach()) == pytest.approx(0.71, abs=1e-6)
