@@ -110,6 +110,18 @@ def test_only_the_chosen_clients_labels_are_flipped_in_every_split(mapping, expe
             assert torch.equal(getattr(flipped.data.clients[client], x), getattr(clean.data.clients[client], x))
 
 
+def test_by_default_client_0_is_reversed_in_every_split():
+    """The paper's setting: "client 0 was assigned flipped labels"."""
+    _, clean = prepared()
+    flipped = prepared_with()
+    assert CorruptedClientsParams() == CorruptedClientsParams(clients=[0], mapping="reverse",
+                                                              splits=["train", "val", "test"])
+    for client in range(4):
+        for split in ("train", "val", "test"):
+            want = labels(clean, client, split)
+            assert labels(flipped, client, split).tolist() == (9 - want if client == 0 else want).tolist()
+
+
 def test_splits_limits_the_flip_to_the_named_splits():
     _, clean = prepared()
     flipped = prepared_with(clients=[2], splits=["train", "test"])
@@ -155,3 +167,12 @@ def test_bad_add_on_parameters_name_their_key(params, path):
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**corrupted(**params)))
     assert info.value.path == path
+
+
+def test_bad_add_on_parameters_say_what_is_expected():
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**corrupted(splits=["train", "training"])))
+    assert info.value.message == "must be a non-empty list of train, val, test; got ['train', 'training']"
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**corrupted(clients=[5])))
+    assert info.value.message == "client 5 does not exist (4 clients)"
