@@ -42,13 +42,17 @@ def test_head_first_with_the_body_frozen_then_the_body_with_the_head_frozen():
 
     def spy(**kw):
         before = clone_state(model)
+        for p in model.parameters():
+            p.grad = None
         out = train(**kw)
         changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
-        calls.append((kw["epochs"], changed))
+        graded = {k for k, p in model.named_parameters() if p.grad is not None}
+        calls.append((kw["epochs"], changed, graded))
         return out
     client.train = spy
     ctx.hooks.local_train(ctx=ctx, client=client)
-    assert calls == [(2, HEAD), (1, BODY)]  # head epochs on the head only, then body epochs on the body only
+    # head epochs on the head only, then body epochs on the body only; the frozen part gets no gradient
+    assert calls == [(2, HEAD, HEAD), (1, BODY, BODY)]
     assert all(p.requires_grad for p in model.parameters())
     assert all(torch.equal(ctx.store[2]["head"][k], model.state_dict()[k]) for k in HEAD)
 

@@ -273,13 +273,17 @@ def test_local_update_supervisor_first_then_theta_by_hand():
 
     def spy(**kw):  # which part each call to the training loop changed, bit for bit
         before = clone_state(theta), clone_state(sup)
+        for p in [*theta.parameters(), *sup.parameters()]:
+            p.grad = None
         out = train(**kw)
         phases.append(tuple(any(not torch.equal(m.state_dict()[k], old[k]) for k in old)
                             for m, old in zip((theta, sup), before)))
+        phases.append(tuple(any(p.grad is not None for p in m.parameters()) for m in (theta, sup)))
         return out
     client.train = spy
     ctx.hooks.local_train(ctx=ctx, client=client)
-    assert phases == [(False, True), (True, False)]  # tau_s: only s moves; tau_theta: only theta
+    # tau_s: only s moves (and only s gets gradients); tau_theta: only theta
+    assert phases == [(False, True), (False, True), (True, False), (True, False)]
     assert all(p.requires_grad for p in [*theta.parameters(), *sup.parameters()])  # unfrozen afterwards
 
     X, y = client.data.train_x.double().numpy(), client.data.train_y.numpy()
