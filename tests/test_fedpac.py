@@ -225,6 +225,34 @@ def test_a_round_recomputed_independently():
                                   atol=1e-6)
 
 
+def test_the_head_is_the_last_layer():
+    from torch import nn
+    from plugins.fedpac import head_keys
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    assert head_keys(model) == ["4.weight", "4.bias"]
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_zero_epochs_leave_that_part_as_received(part):
+    ctx = run_rounds(1, **{**BASE, f"algorithm.params.{part}_epochs": 0, "algorithm.params.collaborate": False})
+    init = ctx.models.initial_state("mlp")
+    if part == "head":
+        for i in range(4):
+            assert_same(ctx.store[i]["head"], init, HEAD)
+        assert far_apart(ctx.server["body"], init, BODY)
+    else:
+        assert_close(ctx.server["body"], init, BODY)  # every client sent the body it received
+        assert far_apart(ctx.store[0]["head"], init, HEAD)
+
+
+def test_centroids_of_classes_nobody_reported_are_kept():
+    engine, ctx = prepared(**BASE)
+    old = torch.full((8,), 7.0)
+    ctx.server["centroids"] = {99: old}
+    engine.run_round(ctx, 1)
+    assert ctx.server["centroids"][99] is old and len(ctx.server["centroids"]) > 1
+
+
 # -- evaluation, bytes, budget ----------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from plugins.fedphp import FedPHP, FedPHPParams, distillation, inheritance, mmd, moving_average
-from harness import assert_close, assert_same, far_apart, model_bytes, prepared, train_reference
+from harness import assert_close, assert_same, far_apart, model_bytes, prepared, recorded_training, train_reference
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
@@ -237,6 +237,25 @@ def test_defaults_are_the_documented_ones():
 def test_a_full_run_with_coldstart_clients():
     result = Engine(resolve(tiny_raw(**BASE, **{"experiment.coldstart_clients": 1})), progress=False).run()
     assert 0.0 <= result.final["coldstart_acc_mean"] <= 1.0 and not result.errors
+
+
+def test_coldstart_trains_its_epochs_from_the_final_model_and_scores_that_hpm(monkeypatch):
+    raw = tiny_raw(**BASE, **{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 3})
+    engine = Engine(resolve(raw), progress=False)
+    with recorded_training(monkeypatch) as calls:
+        engine.run()
+    ctx = engine.ctx
+    (cold,) = ctx.coldstart_clients
+    (call,) = [c for c in calls if c["client"] == cold]
+    assert call["epochs"] == 3
+    assert_same(call["before"], ctx.server["global"])
+    assert_same(ctx.store[cold]["hpm"], call["after"])  # first update: mu = 0
+    assert ctx.store[cold]["visits"] == 1
+
+
+def test_boundary_values_are_accepted():
+    resolve(tiny_raw(**BASE, **{"algorithm.params.lam": 0.0, "algorithm.params.mu_max": 0.0,
+                                "algorithm.params.kernels": 1, "algorithm.params.kernel_mul": 0.5}))
 
 
 # -- bad input --------------------------------------------------------------------------------------

@@ -79,10 +79,11 @@ def test_interpolation_of_means_and_covariance_by_hand():
 
 
 def test_stratified_folds():
-    y = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 2, 2])
+    y = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3])
     out = stratified_folds(y, 2, np.random.default_rng(0))
     assert out[5] == -1  # a class with fewer samples than folds is left out
-    assert sorted(out[:5].tolist()) == [0, 0, 0, 1, 1] and sorted(out[6:].tolist()) == [0, 0, 1, 1]
+    assert sorted(out[:5].tolist()) == [0, 0, 0, 1, 1] and sorted(out[6:10].tolist()) == [0, 0, 1, 1]
+    assert sorted(out[10:].tolist()) == [0, 1]  # as many samples as folds: one in each
     assert np.array_equal(out, stratified_folds(y, 2, np.random.default_rng(0)))  # seeded
     assert sorted(stratified_folds(y, 3, np.random.default_rng(1))[:5].tolist()) == [0, 0, 1, 1, 2]
 
@@ -307,6 +308,14 @@ def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatc
     with pytest.raises(SpecError) as info:
         engine.run()  # then setup, on the real model
     assert info.value.path == "model.name" and "1 parameterised layer" in str(info.value)
+
+
+def test_a_model_whose_classifier_is_not_linear_is_refused(monkeypatch):
+    from torch import nn
+    monkeypatch.setattr("plugins.pfedfda.parameterised_layers", lambda model: [("fc2", nn.Conv1d(1, 1, 1))])
+    with pytest.raises(SpecError) as info:
+        Engine(resolve(tiny_raw(**BASE)), progress=False).run()
+    assert info.value.path == "model.name" and "Conv1d" in str(info.value)
 
 
 # -- bad input --------------------------------------------------------------------------------------
