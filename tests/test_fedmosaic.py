@@ -18,7 +18,7 @@ from pfl_core.payload import nbytes
 from pfl_core.tracking import NullTracker
 from plugins.fedct import FedCT, FedCTParams
 from plugins.fedmosaic import (FedMosaic, FedMosaicParams, adaptive_lambda, consensus, consensus_scores,
-                               dequantise, expertise_scores, mean_loss, quantise, tie_share)
+                               dequantise, expertise_scores, mean_loss, public_batches, quantise, tie_share)
 from plugins.codistill import predict_logits
 from tiny import run_tiny, tiny_raw
 
@@ -196,6 +196,36 @@ def test_the_papers_bits_example_120000_bits_up_per_client_and_round():
     assert nbytes(FedMosaic(FedMosaicParams()).on_broadcast(ctx, 0)) == 5_000  # 4 bits per label down
 
 
+def test_uploaded_labels_and_expertise_codes_by_hand():
+    # C = 4, |U| = 2; logits chosen so the predictions and entropies are known.
+    ctx, client = stand_in(num_public=2, num_classes=4)
+    with torch.no_grad():
+        client.model.weight.zero_()
+        client.model.bias.copy_(torch.tensor([0.0, math.log(3), 0.0, 0.0]))
+    client.data = SimpleNamespace(label_counts=lambda split, c: [1, 3, 0, 0])
+    p = torch.tensor([1 / 6, 1 / 2, 1 / 6, 1 / 6])
+    confidence = math.log(4) + float((p * p.log()).sum())  # log C - H
+    upload = FedMosaic(FedMosaicParams(expertise="U")).client_upload(ctx, client)
+    assert upload["labels"].value.tolist() == [1, 1] and upload["labels"].bits == 2
+    assert upload["expertise"].value.tolist() == [round(confidence / math.log(4) * 255)] * 2
+    upload = FedMosaic(FedMosaicParams(expertise="W")).client_upload(ctx, client)
+    assert upload["expertise"].value.tolist() == [round(0.75 * 255)] * 2  # share of class 1
+
+
+def test_public_batches_split_each_pass_over_u_evenly_over_an_epochs_steps():
+    gen = torch.Generator().manual_seed(0)
+    batches = public_batches(10, 3, 10, gen)
+    epoch = [next(batches) for _ in range(3)]
+    assert [len(b) for b in epoch] == [4, 3, 3]
+    assert sorted(torch.cat(epoch).tolist()) == list(range(10))  # one pass: every example once
+    second = torch.cat([next(batches) for _ in range(3)])
+    assert sorted(second.tolist()) == list(range(10)) and not torch.equal(second, torch.cat(epoch))
+    # 1.5 passes per epoch: over two epochs every example exactly three times
+    batches = public_batches(10, 2, 15, torch.Generator().manual_seed(0))
+    seen = torch.cat([next(batches) for _ in range(4)])
+    assert torch.bincount(seen, minlength=10).tolist() == [3] * 10
+
+
 def test_counted_bytes_in_a_run_match_the_encoding():
     result, _ = run_tiny(**mosaic(), **{"experiment.rounds": 2})
     # 4 clients, |U| = 60, C = 10: up 60 * 12 bits = 90 bytes; down 30 bytes from round 2 on
@@ -279,10 +309,13 @@ def test_warmup_happens_once_and_is_counted_in_the_budget():
     result, _ = run_tiny(**mosaic(warmup_epochs=2), **{"experiment.rounds": 3})
     local, _ = run_tiny(**{"algorithm.name": "local", **PUBLIC, "experiment.rounds": 5})
     assert result.final["budget.private_epochs"] == pytest.approx(local.final["budget.private_epochs"])
-    assert result.final["budget.public_epochs"] > 0  # co-training steps on U in rounds 2-3
     declared = resolve(tiny_raw(**mosaic(warmup_epochs=2), **{"experiment.rounds": 3})).as_dict["budget"]
     assert declared["private_epochs"] == 5 and declared["pretrain_private_epochs"] == 2
     assert declared["private_epochs_per_round"] == 1
+    # U: one pass per co-training epoch, rounds 2-3 only (no consensus in round 1)
+    assert declared["public_epochs"] == 2 == pytest.approx(result.final["budget.public_epochs"])
+    halved = resolve(tiny_raw(**mosaic(public_passes=0.5), **{"experiment.rounds": 3})).as_dict["budget"]
+    assert halved["public_epochs"] == 1
 
 
 def test_lambda_zero_is_local_training_bit_for_bit():
