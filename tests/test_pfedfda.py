@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from plugins.pfedfda import (PFedFDA, PFedFDAParams, class_priors, cv_loss, cv_parts, interpolate, lda_head,
+from plugins.pfedfda import (PFedFDAParams, class_priors, cv_loss, cv_parts, interpolate, lda_head,
                              local_estimates, solve_beta, stratified_folds)
 from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared
 from test_cli import one_line_error, run_cli, write_spec

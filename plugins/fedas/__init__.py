@@ -135,7 +135,8 @@ class FedAS(ClassifierSplit):
         if self.params.align_epochs:  # (A2): theta^t alone
             store = {}
             with capture_embedding(model, store), only_training(model, body) as params:
-                client.train(epochs=self.params.align_epochs, optimizer=client.optimizer(params, lr=self.params.align_lr),
+                client.train(epochs=self.params.align_epochs,
+                             optimizer=client.optimizer(params, lr=self.params.align_lr),
                              loss_fn=alignment_loss(client.scratch["prototypes"], store))
         metrics = client.train()  # E epochs on (theta, phi_i)
         client.state["weights"] = clone_state(model)

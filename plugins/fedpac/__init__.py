@@ -289,5 +289,5 @@ class FedPAC(ClassifierSplit):
         return True
 
 
-__all__ = ["ClassifierSplit", "FedPAC", "FedPACParams", "combination_weights", "combine", "embeddings", "feature_statistics",
-           "head_keys"]
+__all__ = ["ClassifierSplit", "FedPAC", "FedPACParams", "combination_weights", "combine", "embeddings",
+           "feature_statistics", "head_keys"]

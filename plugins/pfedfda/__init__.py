@@ -272,5 +272,5 @@ class PFedFDA(ClassifierSplit):
         return self.personalized_models(ctx, client)
 
 
-__all__ = ["PFedFDA", "PFedFDAParams", "class_priors", "cv_loss", "cv_parts", "interpolate", "lda_head", "local_estimates",
-           "solve_beta", "stratified_folds"]
+__all__ = ["PFedFDA", "PFedFDAParams", "class_priors", "cv_loss", "cv_parts", "interpolate", "lda_head",
+           "local_estimates", "solve_beta", "stratified_folds"]
