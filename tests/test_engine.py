@@ -778,3 +778,54 @@ def test_run_result_defaults():
 
     a, b = RunResult([], [], {}), RunResult([], [], {})
     assert a.run_id is None and a.errors == [] and a.errors is not b.errors
+
+
+# -- the scores behind the metrics, by hand ----------------------------------------------------
+
+
+def test_summary_metrics_by_hand():
+    from pfl_core.evaluation import summarize
+
+    m = summarize([0.5, 1.0, 0.75, 0.25], [1.0, 2.0, 3.0, 4.0], prefix="p_")
+    assert m["p_acc_mean"] == pytest.approx(0.625)
+    # population std: deviations -0.125, 0.375, 0.125, -0.375 -> sqrt(0.3125 / 4)
+    assert m["p_acc_std"] == pytest.approx((0.3125 / 4) ** 0.5)
+    # 10th percentile, linear: sorted [0.25, 0.5, 0.75, 1], position 0.1 * 3 = 0.3 -> 0.25 + 0.3 * 0.25
+    assert m["p_acc_p10"] == pytest.approx(0.325)
+    assert m["p_loss_mean"] == pytest.approx(2.5)
+    assert set(m) == {"p_acc_mean", "p_acc_std", "p_acc_p10", "p_loss_mean"}
+
+
+def test_score_counts_correct_argmax_and_summed_loss_in_eval_mode_then_restores_the_mode():
+    from pfl_core.evaluation import score
+
+    class Fixed(torch.nn.Module):
+        """Logits = x itself; a dropout that would zero everything in train mode."""
+
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(1.0)
+
+        def forward(self, x):
+            return self.drop(x)
+
+    x = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+    y = torch.tensor([0, 0, 0])
+    model = Fixed().train()
+    s = score(model, x, y, batch_size=2)  # two batches: 2 + 1
+    assert (s.correct, s.count) == (2, 3) and s.accuracy == pytest.approx(2 / 3)
+    expected = torch.nn.functional.cross_entropy(x, y, reduction="sum").item()
+    assert s.loss_sum == pytest.approx(expected) and s.loss == pytest.approx(expected / 3)
+    assert model.training  # put back as it was
+    assert score(model.eval(), x, y).correct == 2 and not model.training
+
+
+def test_default_selection_is_the_rounds_seeded_draw_from_the_training_clients():
+    rec = Recorder()
+    _, engine = run(rec, **{"experiment.rounds": 3, "experiment.participation": 0.5, "experiment.coldstart_clients": 1,
+                            "experiment.seed": 2})
+    pool = engine.ctx.training_clients
+    selected = [e[2] for e in rec.log if e[0] == "select_clients"]
+    for r, chosen in enumerate(selected, start=1):
+        draw = numpy_rng(2, "select_clients", r).choice(len(pool), size=2, replace=False)
+        assert chosen == sorted(pool[i] for i in draw), r
