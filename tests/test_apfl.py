@@ -10,7 +10,7 @@ from torch import nn
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.training import batch_order, batch_starts
-from plugins.apfl import APFL, APFLParams, mixture, mixture_gradients
+from plugins.apfl import APFL, APFLParams, alpha_step, mixture, mixture_gradients
 from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared, state_of
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
@@ -162,6 +162,17 @@ def test_one_adaptive_round_is_algorithm_one(alpha_lr):
         assert ctx.store[i]["alpha"] == pytest.approx(alpha, abs=1e-5)
         assert ctx.store[i]["alpha"] != pytest.approx(0.4, abs=1e-4)  # alpha did move
         assert far_apart(v, w, v)
+
+
+@pytest.mark.parametrize("alpha,grad,lr,expected", [(0.5, 0.2, 0.5, 0.4), (0.5, -0.2, 0.5, 0.6),
+                                                     (0.9, -1.0, 0.5, 1.0), (0.1, 1.0, 0.5, 0.0), (1.0, -3.0, 1.0, 1.0)])
+def test_alpha_step_by_hand(alpha, grad, lr, expected):
+    assert alpha_step(alpha, grad, lr) == pytest.approx(expected)
+
+
+def test_registered_under_its_name():
+    from pfl_core import registry
+    assert registry.plugin_class("apfl") is APFL and APFL.name == "apfl"
 
 
 def test_alpha_is_projected_onto_the_unit_interval():

@@ -92,6 +92,11 @@ def mixture_gradients(model, v: dict, buffers: dict, w: dict, alpha, x, y, loss_
     return loss, grads[: len(v)], (grads[-1] if with_alpha else None)
 
 
+def alpha_step(alpha: float, grad_alpha: float, lr: float) -> float:
+    """(4): alpha - lr * grad_alpha, projected onto [0, 1]."""
+    return min(1.0, max(0.0, alpha - lr * grad_alpha))
+
+
 class APFL(FedAvg):
     name = "apfl"
     Params = APFLParams
@@ -112,7 +117,7 @@ class APFL(FedAvg):
         v = {n: v_state[n].detach().clone().requires_grad_(True) for n in names}
         buffers = {k: t.detach().clone() for k, t in v_state.items() if k not in v}
         adaptive = self.params.adaptive
-        alpha = torch.tensor(alpha0, requires_grad=adaptive)
+        alpha = torch.tensor(alpha0, requires_grad=adaptive)  # a 0-dim tensor: autograd's input for (4)
         alpha_lr = ctx.spec.training.lr if self.params.alpha_lr is None else self.params.alpha_lr
         v_optimizer = client.optimizer(params=list(v.values()))
 
@@ -126,7 +131,7 @@ class APFL(FedAvg):
             v_optimizer.step()
             if adaptive:
                 with torch.no_grad():
-                    alpha.sub_(alpha_lr * grad_alpha).clamp_(0.0, 1.0)
+                    alpha.fill_(alpha_step(float(alpha), float(grad_alpha), alpha_lr))
             return client.objective(model, x, y, logits)  # (2): the loss of w_i, stepped by the loop
 
         metrics = client.train(epochs=epochs, loss_fn=loss_and_personal_step)
@@ -159,4 +164,4 @@ class APFL(FedAvg):
         return {"": self.personalised_model(ctx, client, ctx.server["global"])}
 
 
-__all__ = ["APFL", "APFLParams", "mixture", "mixture_gradients"]
+__all__ = ["APFL", "APFLParams", "alpha_step", "mixture", "mixture_gradients"]
