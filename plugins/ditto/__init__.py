@@ -32,6 +32,10 @@ Defaults and decisions:
   models). Algorithm 1 writes the server step as a plain mean of the updates over S_t; the two
   coincide when clients hold equal amounts of data. FedAvg's local update runs first, so with
   no dropout the global model is FedAvg's bit for bit (tested).
+- ``lam = 0`` gives Local's personal models bit for bit (tested): the personal update uses the
+  client's own batch order (the same seeded stream as Local's) and optimiser. With dropout the
+  equality is only in distribution: Ditto's personal update draws its dropout masks after the
+  global update has drawn its own, Local's first.
 - The proximal anchor is w^t, the global model received this round (Alg. 1), not w_k^t.
 - Budget (``local_work``): training.local_epochs + personal_epochs private epochs per round
   (two models are trained on the client's data).
