@@ -444,6 +444,24 @@ def test_a_bad_warmup_fails_naming_the_key(value):
         assert err.value.path == "algorithm.params.warmup_epochs"
 
 
+@pytest.mark.parametrize("key, bad, good", [("fixed_lambda", -0.5, 0.0), ("comm_period", 0, 1),
+                                           ("public_passes", 0.0, 0.01), ("expertise_bits", 0, 1),
+                                           ("expertise_bits", 17, 16), ("eps", 0.0, 1e-12)])
+def test_parameter_bounds_name_the_key(key, bad, good):
+    with pytest.raises(SpecError) as err:
+        resolve(tiny_raw(**mosaic(**{key: bad})))
+    assert err.value.path == f"algorithm.params.{key}"
+    resolve(tiny_raw(**mosaic(**{key: good})))  # the bound itself is allowed
+
+
+def test_comm_period_counts_local_steps_across_epochs():
+    # 1 private example, batch 1: an epoch is 1 step; comm_period = 3 takes 3 steps (3 epochs)
+    _, metrics, logged, work = one_step(pseudo_y=0, comm_period=3)
+    assert work == [(1, 1)] * 3
+    _, _, _, work = one_step(pseudo_y=None, comm_period=2, warmup_epochs=2)  # + warm-up on a first visit
+    assert work == [(1, 0)] * 4
+
+
 def test_a_public_set_larger_than_the_pool_fails_naming_the_key():
     with pytest.raises(SpecError) as err:
         Engine(resolve(tiny_raw(**{**mosaic(), "public.size": 10_000})), progress=False).prepare()
