@@ -82,9 +82,10 @@ def test_drop_last_is_the_default_used_by_client_training():
 
 PUBLIC = {"public.size": 40}
 NEEDS = {
-    "fedmosaic": PUBLIC, "fedct": PUBLIC, "comet": PUBLIC, "cosmos": {**PUBLIC, "algorithm.params": {"server_arch": "mlp"}},
+    "fedmosaic": PUBLIC, "fedct": PUBLIC, "comet": PUBLIC, "perfed_ckt": PUBLIC, "cosmos": {**PUBLIC, "algorithm.params": {"server_arch": "mlp"}},
     "fedmd": {**PUBLIC, "public.labelled": True},
     "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
+    "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
 }
 
 
