@@ -317,15 +317,46 @@ def test_cosmos_with_four_client_architectures(tmp_path):
     ({"b0": 0}, "algorithm.params.b0"),
     ({"b0": -0.5}, "algorithm.params.b0"),
     ({"b0": "big"}, "algorithm.params.b0"),
+    ({"b0": True}, "algorithm.params.b0"),
+    ({"b0": float("nan")}, "algorithm.params.b0"),
     ({"max_clusters": 0}, "algorithm.params.max_clusters"),
     ({"server_arch": "vgg61"}, "algorithm.params.server_arch"),
     ({"finetune_epochs": -1}, "algorithm.params.finetune_epochs"),
+    ({"pretrain_epochs": -1}, "algorithm.params.pretrain_epochs"),
+    ({"distill_epochs": -1}, "algorithm.params.distill_epochs"),
+    ({"server_epochs": -1}, "algorithm.params.server_epochs"),
+    ({"server_finetune_epochs": -1}, "algorithm.params.server_finetune_epochs"),
+    ({"server_lr": 0.0}, "algorithm.params.server_lr"),
     ({"lam": -1.0}, "algorithm.params.lam"),
+    ({"num_augment": -1}, "algorithm.params.num_augment"),
+    ({"noise_std": -0.1}, "algorithm.params.noise_std"),
+    ({"temperature": 0.0}, "algorithm.params.temperature"),
 ])
 def test_bad_cosmos_params_name_their_key(params, path):
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{"algorithm.name": "cosmos", "public.size": 60, "algorithm.params": params}))
     assert info.value.path == path
+    if path.endswith("b0"):
+        assert '"auto"' in info.value.message and repr(params["b0"]) in info.value.message
+
+
+@pytest.mark.parametrize("params", [
+    {"b0": 0.01}, {"b0": 2}, {"max_clusters": 1}, {"pretrain_epochs": 0}, {"finetune_epochs": 0},
+    {"distill_epochs": 0}, {"server_epochs": 0}, {"server_finetune_epochs": 0}, {"lam": 0.0},
+    {"num_augment": 0}, {"noise_std": 0.0},
+])
+def test_edge_values_are_accepted(params):
+    resolved = resolve(tiny_raw(**{"algorithm.name": "cosmos", "public.size": 60, "algorithm.params": params}))
+    assert {k: resolved.as_dict["algorithm"]["params"][k] for k in params} == params
+
+
+def test_defaults_are_the_papers_and_the_documented_choices():
+    p = CosmosParams()
+    assert (p.lam, p.temperature) == (5.0, 1.0)  # Sec. 6: lambda = 5, T = 1 work best
+    # the module docstring's decisions: E0 = 5, 5 server epochs then 1, Adam 1e-3, VGG-16 server
+    assert (p.pretrain_epochs, p.server_epochs, p.server_finetune_epochs, p.server_lr) == (5, 5, 1, 1e-3)
+    assert (p.b0, p.max_clusters, p.server_arch, p.finetune_epochs, p.distill_epochs) == ("auto", 5, "vgg16", None, 1)
+    assert (p.num_augment, p.noise_std) == (2, 0.05)
 
 
 def test_cosmos_needs_a_public_set_and_matching_client_architectures():
