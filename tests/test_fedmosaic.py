@@ -82,6 +82,10 @@ def test_lambda_formula_and_its_three_regimes():
     assert adaptive_lambda(1.0, 0.0, eps=0) == pytest.approx(math.e)  # the upper bound
     t = adaptive_lambda(torch.tensor(0.5, requires_grad=True), torch.tensor(0.8, requires_grad=True))
     assert not t.requires_grad  # a weight, computed without gradient
+    mixed = adaptive_lambda(torch.tensor(0.5, requires_grad=True), 0.8)
+    assert isinstance(mixed, torch.Tensor) and not mixed.requires_grad
+    assert adaptive_lambda(0.5, 0.8, eps=0.5) == pytest.approx(math.exp(-0.3 / 1.0))  # eps added to l_priv
+    assert float(adaptive_lambda(torch.tensor(0.5), torch.tensor(0.8), eps=0.5)) == pytest.approx(math.exp(-0.3))
 
 
 # -- one local step on a hand-set model -------------------------------------------------
@@ -153,6 +157,7 @@ def test_expertise_W_is_the_class_frequency_of_the_prediction_plus_eps():
     logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 3.0], [0.0, 2.0, 0.0]])
     e = expertise_scores("W", logits, [6, 0, 2], eps=1e-3)
     assert e.tolist() == pytest.approx([0.75 + 1e-3, 0.25 + 1e-3, 0.0 + 1e-3])
+    assert expertise_scores("W", logits[:1], [1, 0, 0], eps=0).tolist() == [1.0]  # a one-example client
 
 
 def test_expertise_U_is_log_C_minus_the_entropy_plus_eps():
