@@ -167,3 +167,16 @@ def test_defaults_are_the_papers():
     from plugins.fedrep import FedRep
     p = FedRep().params
     assert (p.head_epochs, p.body_epochs, p.head_layers, p.average) == (10, 1, 1, "samples")
+
+
+def test_a_phase_with_zero_epochs_is_skipped_not_the_rest():
+    initial = {k: v.clone() for k, v in Engine(resolve(tiny_raw()), progress=False).prepare()
+               .models.initial_state("mlp").items()}
+    engine, ctx = prepared(**{"algorithm.params.head_epochs": 0, "algorithm.params.body_epochs": 1})
+    engine.run_round(ctx, 1)  # no head epochs: the body still trains, the heads stay initial
+    assert not torch.allclose(ctx.server["body"]["fc1.weight"], initial["fc1.weight"], atol=1e-4)
+    assert all(torch.equal(ctx.store[i]["head"][k], initial[k]) for i in range(4) for k in HEAD)
+    engine, ctx = prepared(**{"algorithm.params.head_epochs": 0, "algorithm.params.body_epochs": 0})
+    engine.run_round(ctx, 1)  # nothing to train: no fallback to another training pass
+    assert all(torch.allclose(ctx.server["body"][k], initial[k], atol=1e-6) for k in BODY)
+    assert all(torch.equal(ctx.store[i]["head"][k], initial[k]) for i in range(4) for k in HEAD)
