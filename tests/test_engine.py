@@ -829,3 +829,18 @@ def test_default_selection_is_the_rounds_seeded_draw_from_the_training_clients()
     for r, chosen in enumerate(selected, start=1):
         draw = numpy_rng(2, "select_clients", r).choice(len(pool), size=2, replace=False)
         assert chosen == sorted(pool[i] for i in draw), r
+
+
+def test_resolved_spec_fills_the_defaults_of_every_plugin_table():
+    raw = tiny_raw(**{"partition.scheme": "dirichlet", "partition.params": {"alpha": 0.3}})
+    raw["addons"] = [{"name": "corrupted_clients", "params": {"clients": [0]}}]
+    d = resolve(raw).as_dict
+    tables = [(d["partition"], registry.PARTITIONER, "dirichlet", raw["partition"]["params"]),
+              (d["data"], registry.DATASET, "synthetic", raw["data"]["params"]),
+              (d["addons"][0], registry.ADDON, "corrupted_clients", raw["addons"][0]["params"]),
+              (d["model"], registry.MODEL, "mlp", raw["model"]["params"])]
+    for table, kind, name, given in tables:
+        full = registry.resolved_params(registry.instantiate(kind, name, given, "k", "k.params"))
+        assert table["params"] == full, name
+        assert set(full) > set(given), name  # defaults the raw table did not set were filled in
+        assert all(full[k] == v for k, v in given.items()), name
