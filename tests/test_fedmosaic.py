@@ -175,6 +175,8 @@ def test_quantisation_round_trip_within_half_a_step():
     back = dequantise(quantise(values, math.log(10), 8), math.log(10), 8)
     assert (back - values).abs().max() <= math.log(10) / 255 / 2 + 1e-12
     assert quantise(torch.tensor([-1.0, 9.0]), 1.0, 8).tolist() == [0, 255]  # clipped to [0, c]
+    assert quantise(torch.tensor([1.0]), 1.0, 8).dtype == torch.uint8
+    assert quantise(torch.tensor([1.0]), 1.0, 9).tolist() == [511]  # no wrap-around past 8 bits
 
 
 # -- communication -------------------------------------------------------------------
