@@ -75,6 +75,7 @@ from pfl_core.budget import LocalWork
 from pfl_core.context import load_state
 from pfl_core.models.layers import layer_keys
 from pfl_core.spec import at_least, finite, greater_than
+from plugins.fedbn import model_key
 from plugins.fedper import FedPer
 from plugins.fedproto import FedProto, aggregate_prototypes, capture_embedding, local_prototypes
 from plugins.partial import clone_keys, only_training, probe_num_layers, spec_archs
@@ -154,11 +155,12 @@ def combine(alpha, heads: list[dict]) -> dict:
 class ClassifierSplit(FedPer):
     """FedPer's body/head bookkeeping with the head fixed to the last layer, the classifier
     (FedPAC, FedAS, pFedFDA). A model with a single parameterised layer has no feature
-    extractor: refused at ``model.name``, before any data is loaded when the model can be probed."""
+    extractor: refused at the key that names it (``model.name``, or ``model.pool`` /
+    ``model.clients``), before any data is loaded when the model can be probed."""
 
-    def _no_extractor(self, arch: str, layers: int) -> SpecError:
-        return SpecError("model.name", f"{self.name} needs a feature extractor before the classifier, "
-                                       f"but {arch} has {layers} parameterised layer(s)")
+    def _no_extractor(self, spec, arch: str, layers: int) -> SpecError:
+        return SpecError(model_key(spec), f"{self.name} needs a feature extractor before the classifier, "
+                                          f"but {arch} has {layers} parameterised layer(s)")
 
     @hookimpl
     def check_spec(self, spec):
@@ -166,14 +168,14 @@ class ClassifierSplit(FedPer):
         for arch in spec_archs(spec):
             layers = probe_num_layers(spec, arch)
             if layers is not None and layers < 2:
-                raise self._no_extractor(arch, layers)
+                raise self._no_extractor(spec, arch, layers)
 
     @hookimpl
     def setup(self, ctx):
         arch = ctx.models.arch_of(ctx.training_clients[0])
         layers = len(layer_keys(ctx.models.working(arch)))
         if layers < 2:
-            raise self._no_extractor(arch, layers)
+            raise self._no_extractor(ctx.spec, arch, layers)
         super().setup(ctx)
 
 

@@ -49,7 +49,9 @@ Defaults and decisions:
 - (G5) averages the interpolated estimates (mu_i, Sigma_i), as the authors' code does.
 - The initial global estimates are mu^0_c ~ N(0, I) (drawn with the server's seeded generator,
   the paper's random Gaussian initialisation) and Sigma^0 = I.
-- The head must be an ``nn.Linear`` (the zoo's models end in one); z is its input.
+- The head must be an ``nn.Linear`` (the zoo's models end in one, except squeezenet's convolution);
+  z is its input. Another last layer is refused at the model's key, before any data is loaded
+  when the model can be probed (so ``--dry-run`` reports it), else at set-up.
 - Budget: ``training.local_epochs`` private epochs per round (the core default). Bytes:
   theta + C x d means + d x d covariance each way.
 - beta_i of the last local update is kept in ``client.state["beta"]``.
@@ -70,8 +72,9 @@ from pfl_core import SpecError, hookimpl
 from pfl_core.context import load_state
 from pfl_core.models.layers import parameterised_layers
 from pfl_core.spec import at_least, between, finite, one_of
+from plugins.fedbn import model_key, probe_model
 from plugins.fedpac import ClassifierSplit, embeddings, head_keys
-from plugins.partial import only_training
+from plugins.partial import only_training, spec_archs
 
 
 @define
@@ -187,14 +190,27 @@ class PFedFDA(ClassifierSplit):
     name = "pfedfda"
     Params = PFedFDAParams
 
+    def linear_head(self, spec, arch: str, model) -> nn.Linear:
+        """The model's last layer, which (G1) writes: refused unless an ``nn.Linear``."""
+        _, layer = parameterised_layers(model)[-1]
+        if not isinstance(layer, nn.Linear):
+            raise SpecError(model_key(spec), f"pfedfda needs a model whose last layer is a Linear classifier; "
+                                             f"{arch}'s is a {type(layer).__name__}")
+        return layer
+
+    @hookimpl
+    def check_spec(self, spec):
+        super().check_spec(spec)  # one architecture, with a feature extractor
+        for arch in spec_archs(spec):  # before any data is loaded, so --dry-run reports it
+            model = probe_model(spec, arch)
+            if model is not None:
+                self.linear_head(spec, arch, model)
+
     @hookimpl
     def setup(self, ctx):
         super().setup(ctx)  # body/head keys, theta^0
         arch = ctx.models.arch_of(ctx.training_clients[0])
-        _, layer = parameterised_layers(ctx.models.working(arch))[-1]
-        if not isinstance(layer, nn.Linear):
-            raise SpecError("model.name", f"pfedfda needs a model whose last layer is a Linear classifier; "
-                                          f"{arch}'s is a {type(layer).__name__}")
+        layer = self.linear_head(ctx.spec, arch, ctx.models.working(arch))
         gen = ctx.generator("pfedfda_init")
         ctx.server["means"] = torch.randn(ctx.num_classes, layer.in_features, generator=gen)
         ctx.server["cov"] = torch.eye(layer.in_features)
