@@ -133,6 +133,9 @@ BASELINES = ["fedavg", "fedprox", "local", "centralized", "fedalt", "fedsim", "f
              "corrupted_clients"]
 
 
+ALIASES = {"perfed_ckt": "comet"}  # an entry point that names another plugin's class
+
+
 def test_each_baseline_class_carries_its_entry_point_name():
     """The name a plugin reports (registration, messages) is the one a spec uses."""
     from pfl_core import registry
@@ -141,3 +144,16 @@ def test_each_baseline_class_carries_its_entry_point_name():
         cls = registry.plugin_class(name)
         assert cls.name == name
         assert cls.kind == (registry.ADDON if name == "corrupted_clients" else registry.ALGORITHM)
+
+
+def test_every_built_in_plugin_carries_its_entry_point_name():
+    """Every class the pfl distribution registers reports the name it is registered under
+    (an alias reports its target's), so error messages and MLflow tags use the spec's name."""
+    from importlib.metadata import distribution
+
+    from pfl_core import registry
+
+    entry_points = [ep for ep in distribution("pfl").entry_points if ep.group == registry.ENTRY_POINT_GROUP]
+    assert len(entry_points) > 30
+    for ep in entry_points:
+        assert registry.plugin_class(ep.name).name == ALIASES.get(ep.name, ep.name), ep.value

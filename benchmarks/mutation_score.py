@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Mutation score of the plugins and the core's aggregation, training loop and engine.
+
+Mutants are mutmut's (its operators: numbers, strings, comparison and arithmetic operators,
+and/or, keywords, arguments, assignments); this script only schedules them. For each target
+file it lists every mutant, draws a seeded sample (``--sample N``; all of them by default),
+and runs the target's own tests (``TESTS`` below, stopping at the first failure) against
+each mutant in a private copy of the repository. A mutant is *killed* when a test fails or
+the tests time out (3x the unmutated run, plus 10 s), and *survives* when every test passes.
+The score is killed / tested with its 95% Clopper-Pearson interval (scipy), so a sampled score
+says how far it can be from the full one. Survivors are listed with their line, before and
+after, for review.
+
+Why not ``mutmut run``: it starts a fresh interpreter per mutant (about 3 s of torch import
+here, more than most of these test files take) and runs one mutant at a time. Here one worker
+per ``--jobs`` imports torch once and forks a child per mutant, which imports the mutated
+copy of the package.
+
+    OMP_NUM_THREADS=1 python benchmarks/mutation_score.py                        # every target
+    OMP_NUM_THREADS=1 python benchmarks/mutation_score.py plugins/ditto --sample 40 --jobs 2
+    OMP_NUM_THREADS=1 python benchmarks/mutation_score.py --list                 # targets and their tests
+
+Not part of the test suite (CI does not run it). Exit status 0 when every target's unmutated
+tests pass, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# target (file, or plugin folder) -> the tests that specify it (pytest arguments); every
+# plugin's list ends with the registration-name test (-x runs it only when the rest pass)
+SHARED_PARTIAL = ["tests/test_partial_baselines.py", "tests/test_pmixfed_baselines.py"]
+TESTS: dict[str, list[str]] = {
+    "pfl_core/aggregate.py": ["tests/test_aggregate.py", "tests/test_fedavg.py"],
+    "pfl_core/training.py": ["tests/test_training.py", "tests/test_core_loop.py"],
+    "pfl_core/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
+    "plugins/apfl": ["tests/test_apfl.py"],
+    "plugins/centralized": ["tests/test_centralized.py"],
+    "plugins/codistill": ["tests/test_cosmos.py", "tests/test_comet.py"],
+    "plugins/comet": ["tests/test_comet.py"],
+    "plugins/corrupted_clients": ["tests/test_addons.py"],
+    "plugins/cosmos": ["tests/test_cosmos.py"],
+    "plugins/ditto": ["tests/test_ditto.py"],
+    "plugins/fedalt": SHARED_PARTIAL,
+    "plugins/fedas": ["tests/test_fedas.py"],
+    "plugins/fedavg": ["tests/test_fedavg.py"],
+    "plugins/fedbabu": SHARED_PARTIAL,
+    "plugins/fedbn": ["tests/test_fedbn.py"],
+    "plugins/fedct": ["tests/test_fedmosaic.py"],
+    "plugins/fedmd": ["tests/test_fedmd.py"],
+    "plugins/fedmosaic": ["tests/test_fedmosaic.py"],
+    "plugins/fedpac": ["tests/test_fedpac.py"],
+    "plugins/fedper": ["tests/test_fedper.py"],
+    "plugins/fedphp": ["tests/test_fedphp.py"],
+    "plugins/fedproto": ["tests/test_fedproto.py"],
+    "plugins/fedprox": ["tests/test_fedprox.py"],
+    "plugins/fedrep": ["tests/test_fedrep.py"],
+    "plugins/fedsim": SHARED_PARTIAL,
+    "plugins/fedsimsup": ["tests/test_fedsimsup.py"],
+    "plugins/lgfedavg": SHARED_PARTIAL,
+    "plugins/local": ["tests/test_local.py"],
+    "plugins/partial": SHARED_PARTIAL,
+    "plugins/perfedavg": ["tests/test_perfedavg.py"],
+    "plugins/pfedfda": ["tests/test_pfedfda.py"],
+    "plugins/pfedme": ["tests/test_pfedme.py"],
+    "plugins/pmixfed": ["tests/test_pmixfed.py", "tests/test_pmixfed_baselines.py"],
+    "plugins/privacy": ["tests/test_privacy.py"],
+}
+NAME_TEST = "tests/test_baselines.py::test_every_built_in_plugin_carries_its_entry_point_name"
+for _target, _tests in TESTS.items():
+    if _target.startswith("plugins/"):
+        TESTS[_target] = [*_tests, NAME_TEST]
+PYTEST_FLAGS = ["-x", "-q", "-p", "no:cacheprovider"]
+
+
+def source_file(target: str) -> str:
+    return f"{target}/__init__.py" if (ROOT / target).is_dir() else target
+
+
+def list_mutants(path: str, source: str) -> list:
+    """Every mutmut mutation of ``source`` (the text of ``path``) that changes what runs, in
+    file order. Mutants of type annotations alone are equivalent (the files use postponed
+    evaluation of annotations) and left out, as are the few that do not parse."""
+    from mutmut import ALL, Context, list_mutations
+
+    mutants = list_mutations(Context(source=source, filename=path, mutation_id=ALL))
+    original = executable_ast(source)
+    return [m for m in mutants if executable_ast(mutated_source(path, source, m)) not in (original, None)]
+
+
+def executable_ast(source: str) -> str | None:
+    """The syntax tree with annotations removed, as text: equal for annotation-only edits;
+    None for a mutant that is not valid Python (mutmut makes a few; not counted)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+        elif isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Constant(None)
+    return ast.dump(tree)
+
+
+def mutated_source(path: str, source: str, mutation_id) -> str:
+    from mutmut import Context, mutate
+
+    return mutate(Context(source=source, filename=path, mutation_id=mutation_id))[0]
+
+
+def copy_repository(into: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", ".git", ".venv", "mlruns", "*.db", "*.egg-info")
+    for name in ("pfl_core", "plugins", "tests"):
+        shutil.copytree(ROOT / name, into / name, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", into / "pyproject.toml")
+    return into
+
+
+def run_tests_in_child(copy: Path, tests: list[str], timeout: float) -> tuple[str, float]:
+    """Fork; the child imports the (possibly mutated) copy and runs ``tests``. Returns
+    ("passed" | "failed" | "timeout", seconds)."""
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # child: nothing of pfl is imported yet, so the copy is what it imports
+        try:
+            sys.dont_write_bytecode = True  # a stale .pyc of another mutant must never load
+            os.chdir(copy)
+            sys.path.insert(0, str(copy))
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            import pytest
+
+            code = pytest.main([*tests, *PYTEST_FLAGS, "--rootdir", str(copy)])
+            import plugins  # noqa: F401  the copy, not the checkout, was tested
+
+            if not Path(plugins.__file__).resolve().is_relative_to(copy.resolve()):
+                code = 99
+        except BaseException:
+            code = 98
+        os._exit(int(code))
+    deadline = start + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.perf_counter() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", time.perf_counter() - start
+        time.sleep(0.05)
+    if code in (98, 99):
+        raise RuntimeError(f"the test child could not run the copy (exit {code})")
+    return ("passed" if code == 0 else "failed"), time.perf_counter() - start
+
+
+def worker(share: list[tuple[str, list[str], list]], sources: dict[str, str], results) -> None:
+    """Run one share of (target, tests, mutants) in a private copy of the sources planned."""
+    with tempfile.TemporaryDirectory(prefix="pfl-mut-") as tmp:
+        copy = copy_repository(Path(tmp))
+        for target, tests, mutants in share:
+            path = source_file(target)
+            (copy / path).write_text(sources[path])
+            status, baseline = run_tests_in_child(copy, tests, timeout=1800) if mutants else ("passed", 0)
+            for mutation_id in mutants:
+                if status != "passed":
+                    results.put((target, "baseline-failed", mutation_id, baseline))
+                    continue
+                (copy / path).write_text(mutated_source(path, sources[path], mutation_id))
+                outcome, seconds = run_tests_in_child(copy, tests, timeout=3 * baseline + 10)
+                results.put((target, outcome, mutation_id, seconds))
+            (copy / path).write_text(sources[path])
+
+
+def changed_line(path: str, source: str, mutation_id) -> tuple[int, str, str]:
+    before = source.split("\n")
+    after = mutated_source(path, source, mutation_id).split("\n")
+    line = mutation_id.line_number
+    return line + 1, before[line].strip(), after[line].strip() if line < len(after) else ""
+
+
+def score_interval(killed: int, tested: int) -> tuple[float, float]:
+    from scipy.stats import binomtest
+
+    if tested == 0:
+        return float("nan"), float("nan")
+    ci = binomtest(killed, tested).proportion_ci(confidence_level=0.95, method="exact")
+    return ci.low, ci.high
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("targets", nargs="*", help="plugin folders or core files (default: all)")
+    parser.add_argument("--sample", type=int, default=0, help="mutants per target (0 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--json", type=Path, help="write every mutant's outcome here")
+    parser.add_argument("--list", action="store_true", help="print the targets, their tests and mutant counts")
+    args = parser.parse_args(argv)
+    targets = [t.rstrip("/") for t in args.targets] or list(TESTS)
+    unknown = [t for t in targets if t not in TESTS]
+    if unknown:
+        parser.error(f"no tests are mapped for {', '.join(unknown)} (see TESTS in this script)")
+
+    rng = random.Random(args.seed)
+    plan = []
+    sources = {source_file(t): (ROOT / source_file(t)).read_text() for t in targets}  # edits during the run do not leak in
+    for target in targets:
+        mutants = list_mutants(source_file(target), sources[source_file(target)])
+        chosen = sorted(rng.sample(mutants, args.sample), key=mutants.index) if 0 < args.sample < len(mutants) else mutants
+        plan.append((target, TESTS[target], chosen, len(mutants)))
+    if args.list:
+        for target, tests, _, total in plan:
+            print(f"{target:28s} {total:4d} mutants   {' '.join(tests)}")
+        return 0
+
+    import multiprocessing as mp
+
+    import torch
+
+    torch.set_num_threads(1)  # before forking: one thread per child, and no thread pool to fork
+    context = mp.get_context("fork")
+    results = context.Queue()
+    # round-robin mutants over the jobs, so every job gets a share of every target
+    shares = [[(t, tests, chosen[j :: args.jobs]) for t, tests, chosen, _ in plan] for j in range(args.jobs)]
+    processes = [context.Process(target=worker, args=(share, sources, results)) for share in shares]
+    for process in processes:
+        process.start()
+    expected = sum(len(chosen) for _, _, chosen, _ in plan)
+    outcomes: dict[str, list] = {t: [] for t in targets}
+    baseline_failed: set[str] = set()
+    received = 0
+    start = time.perf_counter()
+    while received < expected:
+        try:
+            target, status, mutation_id, seconds = results.get(timeout=5)
+        except queue.Empty:
+            if not any(p.is_alive() for p in processes):
+                break  # a worker died: report what came back
+            continue
+        received += 1
+        if status == "baseline-failed":
+            baseline_failed.add(target)
+        else:
+            outcomes[target].append((status, mutation_id, seconds))
+        print(f"\r{received}/{expected} mutants, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr)
+    for process in processes:
+        process.join()
+    print(file=sys.stderr)
+
+    print(f"{'target':28s} {'mutants':>7s} {'tested':>6s} {'killed':>6s} {'timeout':>7s} {'score':>6s}  95% interval")
+    report = {}
+    for target, _, chosen, total in plan:
+        if target in baseline_failed:
+            print(f"{target:28s} {total:7d}  the unmutated tests fail: no score")
+            continue
+        rows = outcomes[target]
+        killed = sum(status != "passed" for status, _, _ in rows)
+        timeouts = sum(status == "timeout" for status, _, _ in rows)
+        low, high = score_interval(killed, len(rows))
+        score = killed / len(rows) if rows else float("nan")
+        print(f"{target:28s} {total:7d} {len(rows):6d} {killed:6d} {timeouts:7d} {score:6.1%}  [{low:.1%}, {high:.1%}]")
+        path = source_file(target)
+        survivors = [changed_line(path, sources[path], m) for status, m, _ in rows if status == "passed"]
+        report[target] = {"mutants": total, "tested": len(rows), "killed": killed, "timeouts": timeouts,
+                          "survivors": [{"line": n, "before": b, "after": a} for n, b, a in sorted(survivors)]}
+    for target, entry in report.items():
+        for survivor in entry["survivors"]:
+            print(f"  survived {source_file(target)}:{survivor['line']}: {survivor['before']}  ->  {survivor['after']}")
+    if args.json:
+        args.json.write_text(json.dumps({"sample": args.sample, "seed": args.seed, "targets": report}, indent=1))
+    return 1 if baseline_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
