@@ -82,6 +82,19 @@ def run_epochs(
             steps += 1
         if counter is not None:
             counter(n)
-    if steps and not math.isfinite(float(total)):
-        raise NonFiniteError(f"the training loss became {float(total)}")
-    return {"train_loss": float(total) / steps} if steps else {}
+    return mean_training_loss(total, steps)
+
+
+def mean_training_loss(losses, steps: int | None = None) -> dict[str, float]:
+    """``{"train_loss": mean}`` of a list of step losses (or of their ``total`` over ``steps``);
+    {} when no step ran. A non-finite loss stops the run (NonFiniteError: the engine names the
+    round, client and fix)."""
+    if steps is None:
+        steps = len(losses)
+        losses = torch.stack(losses).sum() if steps else losses
+    if not steps:
+        return {}
+    mean = float(losses) / steps
+    if not math.isfinite(mean):
+        raise NonFiniteError(f"the training loss became {mean}")
+    return {"train_loss": mean}

@@ -11,7 +11,8 @@ from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from plugins.ditto import Ditto, DittoParams, proximal_term
+from plugins.ditto import Ditto, DittoParams
+from plugins.fedprox import proximal_term
 from harness import (assert_close, assert_same, far_apart, model_bytes, prepared, recorded_training, state_of,
                      train_reference)
 from test_cli import one_line_error, run_cli, write_spec

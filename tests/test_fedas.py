@@ -232,20 +232,6 @@ def test_a_full_run_with_coldstart_clients():
     assert 0.0 <= result.final["coldstart_acc_mean"] <= 1.0 and not result.errors
 
 
-def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatch):
-    raw = tiny_raw(**{**BASE, "model.params.hidden": []})
-    with pytest.raises(SpecError) as info:
-        resolve(raw)  # before any data is loaded
-    assert str(info.value) == ("model.name: fedas needs a feature extractor before the classifier, "
-                               "but mlp has 1 parameterised layer(s)")
-    monkeypatch.setattr("plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
-    engine = Engine(resolve(raw), progress=False)
-    with pytest.raises(SpecError) as info:
-        engine.run()  # then setup, on the real model
-    assert str(info.value) == ("model.name: fedas needs a feature extractor before the classifier, "
-                               "but mlp has 1 parameterised layer(s)")
-
-
 # -- bad input --------------------------------------------------------------------------------------
 
 

@@ -298,20 +298,6 @@ def test_defaults_are_the_documented_ones():
     assert (p.beta, p.folds, p.min_count, p.eps, p.head_layers) == ("single", 2, 2, 1e-4, 1)
 
 
-def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatch):
-    raw = tiny_raw(**{**BASE, "model.params.hidden": []})
-    with pytest.raises(SpecError) as info:
-        resolve(raw)  # before any data is loaded
-    assert str(info.value) == ("model.name: pfedfda needs a feature extractor before the classifier, "
-                               "but mlp has 1 parameterised layer(s)")
-    monkeypatch.setattr("plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
-    engine = Engine(resolve(raw), progress=False)
-    with pytest.raises(SpecError) as info:
-        engine.run()  # then setup, on the real model
-    assert str(info.value) == ("model.name: pfedfda needs a feature extractor before the classifier, "
-                               "but mlp has 1 parameterised layer(s)")
-
-
 def test_a_model_whose_classifier_is_not_linear_is_refused(monkeypatch):
     from torch import nn
     monkeypatch.setattr("plugins.pfedfda.parameterised_layers", lambda model: [("fc2", nn.Conv1d(1, 1, 1))])

@@ -56,13 +56,7 @@ from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least, finite
 from plugins.fedavg import FedAvg
-
-
-def proximal_term(model, anchor, coefficient: float):
-    """coefficient / 2 * ||theta - anchor||^2 over ``model``'s parameters (``anchor``: one
-    tensor per parameter, in ``model.parameters()`` order, a constant)."""
-    distance = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
-    return coefficient / 2 * distance
+from plugins.fedprox import keep_received_weights, proximal_term
 
 
 @define
@@ -101,7 +95,7 @@ class Ditto(FedAvg):
     @hookimpl
     def on_receive(self, ctx, client, message):
         super().on_receive(ctx, client, message)
-        client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
+        keep_received_weights(client)
         return True
 
     @hookimpl
@@ -135,4 +129,4 @@ class Ditto(FedAvg):
         return {"": client.model}
 
 
-__all__ = ["Ditto", "DittoParams", "proximal_term"]
+__all__ = ["Ditto", "DittoParams"]

@@ -16,6 +16,19 @@ from pfl_core.spec import at_least, finite
 from plugins.fedavg import FedAvg
 
 
+def proximal_term(model, anchor, coefficient: float):
+    """coefficient / 2 * ||theta - anchor||^2 over ``model``'s parameters (``anchor``: one
+    tensor per parameter, in ``model.parameters()`` order, a constant). FedProx's term (Eq. 2);
+    Ditto and pFedMe use the same one."""
+    distance = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
+    return coefficient / 2 * distance
+
+
+def keep_received_weights(client) -> None:
+    """w_t, the model just received, as constants in ``client.scratch["w_t"]`` (the anchor)."""
+    client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
+
+
 @define
 class FedProxParams:
     mu: float = field(default=0.01, validator=[finite, at_least(0)])
@@ -28,11 +41,10 @@ class FedProx(FedAvg):
     @hookimpl
     def on_receive(self, ctx, client, message):
         super().on_receive(ctx, client, message)
-        client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
+        keep_received_weights(client)
         return True
 
     @hookimpl
     def local_objective(self, ctx, client, model, x, y, logits):
         """The proximal term mu/2 ||w - w_t||^2, added to the core's cross-entropy."""
-        distance = sum((w - w_t).pow(2).sum() for w, w_t in zip(model.parameters(), client.scratch["w_t"]))
-        return self.params.mu / 2 * distance
+        return proximal_term(model, client.scratch["w_t"], self.params.mu)

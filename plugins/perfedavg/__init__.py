@@ -54,7 +54,6 @@ Defaults and decisions:
 
 from __future__ import annotations
 
-import math
 
 import torch
 from attrs import define, field
@@ -62,9 +61,8 @@ from attrs import define, field
 from pfl_core import hookimpl
 from pfl_core.budget import LocalWork
 from pfl_core.context import load_state
-from pfl_core.errors import NonFiniteError
 from pfl_core.spec import at_least, finite, greater_than, one_of
-from pfl_core.training import batch_order, batch_starts
+from pfl_core.training import batch_order, batch_starts, mean_training_loss
 from plugins.fedavg import FedAvg
 
 
@@ -156,12 +154,7 @@ class PerFedAvg(FedAvg):
                                         hessian_batch=hessian, delta=p.delta))
                 extra += len(d2[0]) if hf else 0
             client.count_work(private=client.num_train + extra)  # one pass, plus D'''s second in HF
-        if not losses:
-            return {}
-        mean = float(torch.stack(losses).mean())
-        if not math.isfinite(mean):
-            raise NonFiniteError(f"the training loss became {mean}")
-        return {"train_loss": mean}
+        return mean_training_loss(losses)
 
     def adapt(self, ctx, client):
         """The personalised model: ``eval_steps`` steps of (2) from the meta-model in the working

@@ -59,10 +59,9 @@ from attrs import define, field
 from pfl_core import hookimpl
 from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
-from pfl_core.errors import NonFiniteError
 from pfl_core.spec import FieldError, at_least, finite, greater_than
-from pfl_core.training import batch_order, batch_starts, reset_optimizer
-from plugins.ditto import proximal_term
+from pfl_core.training import batch_order, batch_starts, mean_training_loss, reset_optimizer
+from plugins.fedprox import proximal_term
 from plugins.fedavg import FedAvg
 
 
@@ -145,12 +144,7 @@ class PFedMe(FedAvg):
         with torch.no_grad():
             for p, value in zip(model.parameters(), w):
                 p.copy_(value)  # the working model now holds w_{i,R}: FedAvg's upload sends it
-        if not losses:
-            return {}
-        mean = float(torch.stack(losses).mean())
-        if not math.isfinite(mean):
-            raise NonFiniteError(f"the training loss became {mean}")
-        return {"train_loss": mean}
+        return mean_training_loss(losses)
 
     @hookimpl
     def local_train(self, ctx, client):
