@@ -7,6 +7,7 @@ file it lists every mutant, draws a seeded sample (``--sample N``; all of them b
 and runs the target's own tests (``TESTS`` below, stopping at the first failure) against
 each mutant in a private copy of the repository. A mutant is *killed* when a test fails or
 the tests time out (3x the unmutated run, plus 10 s), and *survives* when every test passes.
+"mutants" is how many mutmut makes of the file; "tested" how many ran (the sample).
 The score is killed / tested with its 95% Clopper-Pearson interval (scipy), so a sampled score
 says how far it can be from the full one. Survivors are listed with their line, before and
 after, for review.
@@ -92,14 +93,31 @@ def source_file(target: str) -> str:
 
 
 def list_mutants(path: str, source: str) -> list:
-    """Every mutmut mutation of ``source`` (the text of ``path``) that changes what runs, in
-    file order. Mutants of type annotations alone are equivalent (the files use postponed
-    evaluation of annotations) and left out, as are the few that do not parse."""
+    """Every mutmut mutation of ``source`` (the text of ``path``), in file order."""
     from mutmut import ALL, Context, list_mutations
 
-    mutants = list_mutations(Context(source=source, filename=path, mutation_id=ALL))
-    original = executable_ast(source)
-    return [m for m in mutants if executable_ast(mutated_source(path, source, m)) not in (original, None)]
+    return list_mutations(Context(source=source, filename=path, mutation_id=ALL))
+
+
+def changes_what_runs(path: str, source: str, mutation_id) -> bool:
+    """False for a mutant of type annotations alone (equivalent: the files postpone the
+    evaluation of annotations) and for the few mutmut makes that do not parse."""
+    mutated = executable_ast(mutated_source(path, source, mutation_id))
+    return mutated is not None and mutated != executable_ast(source)
+
+
+def choose_mutants(path: str, source: str, sample: int, rng: random.Random) -> tuple[list, int]:
+    """(the mutants to test, in file order; how many mutmut makes). With ``sample`` > 0, a
+    seeded random draw of that many among those that change what runs; else all of those."""
+    mutants = list_mutants(path, source)
+    order = rng.sample(mutants, len(mutants)) if sample > 0 else mutants
+    chosen = []
+    for mutation_id in order:
+        if sample > 0 and len(chosen) == sample:
+            break
+        if changes_what_runs(path, source, mutation_id):
+            chosen.append(mutation_id)
+    return sorted(chosen, key=mutants.index), len(mutants)
 
 
 def executable_ast(source: str) -> str | None:
@@ -223,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     plan = []
     sources = {source_file(t): (ROOT / source_file(t)).read_text() for t in targets}  # edits during the run do not leak in
-    for target in targets:
-        mutants = list_mutants(source_file(target), sources[source_file(target)])
-        chosen = sorted(rng.sample(mutants, args.sample), key=mutants.index) if 0 < args.sample < len(mutants) else mutants
-        plan.append((target, TESTS[target], chosen, len(mutants)))
     if args.list:
-        for target, tests, _, total in plan:
-            print(f"{target:28s} {total:4d} mutants   {' '.join(tests)}")
+        for target in targets:
+            total = len(list_mutants(source_file(target), sources[source_file(target)]))
+            print(f"{target:28s} {total:4d} mutants   {' '.join(TESTS[target])}")
         return 0
+    for target in targets:
+        chosen, total = choose_mutants(source_file(target), sources[source_file(target)], args.sample, rng)
+        plan.append((target, TESTS[target], chosen, total))
 
     import multiprocessing as mp
 
