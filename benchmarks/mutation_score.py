@@ -20,6 +20,7 @@ copy of the package.
     OMP_NUM_THREADS=1 python benchmarks/mutation_score.py                        # every target
     OMP_NUM_THREADS=1 python benchmarks/mutation_score.py plugins/ditto --sample 40 --jobs 2
     OMP_NUM_THREADS=1 python benchmarks/mutation_score.py --list                 # targets and their tests
+    python benchmarks/mutation_score.py --report mutants.jsonl                   # the table of a --log
 
 Not part of the test suite (CI does not run it). Exit status 0 when every target's unmutated
 tests pass, 1 otherwise.
@@ -230,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=0, help="mutants per target (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--json", type=Path, help="write every mutant's outcome here")
+    parser.add_argument("--log", type=Path, help="write every mutant's outcome here (JSON lines), as it comes")
+    parser.add_argument("--report", type=Path, metavar="LOG", help="only summarise a --log of an earlier (or cut-off) run")
     parser.add_argument("--list", action="store_true", help="print the targets, their tests and mutant counts")
     args = parser.parse_args(argv)
+    if args.report:
+        return report_from_log(args.report)
     targets = [t.rstrip("/") for t in args.targets] or list(TESTS)
     unknown = [t for t in targets if t not in TESTS]
     if unknown:
@@ -263,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     for process in processes:
         process.start()
     expected = sum(len(chosen) for _, _, chosen, _ in plan)
-    outcomes: dict[str, list] = {t: [] for t in targets}
-    baseline_failed: set[str] = set()
-    received = 0
-    start = time.perf_counter()
+    log = open(args.log, "w") if args.log else None  # one JSON line per outcome: a cut-off run still reports
+    write_line(log, {"plan": {t: {"mutants": total, "sampled": len(chosen)} for t, _, chosen, total in plan},
+                     "sample": args.sample, "seed": args.seed})
+    rows, received, start = [], 0, time.perf_counter()
     while received < expected:
         try:
             target, status, mutation_id, seconds = results.get(timeout=5)
@@ -275,37 +279,54 @@ def main(argv: list[str] | None = None) -> int:
                 break  # a worker died: report what came back
             continue
         received += 1
-        if status == "baseline-failed":
-            baseline_failed.add(target)
-        else:
-            outcomes[target].append((status, mutation_id, seconds))
+        row = {"target": target, "status": status, "seconds": round(seconds, 2)}
+        if status == "passed":
+            path = source_file(target)
+            row["line"], row["before"], row["after"] = changed_line(path, sources[path], mutation_id)
+        rows.append(row)
+        write_line(log, row)
         print(f"\r{received}/{expected} mutants, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr)
     for process in processes:
         process.join()
     print(file=sys.stderr)
+    return summarise({t: total for t, _, _, total in plan}, rows)
 
+
+def write_line(log, entry: dict) -> None:
+    if log is not None:
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+
+
+def summarise(totals: dict[str, int], rows: list[dict]) -> int:
+    """Print the score table and the survivors; exit status 1 if a target's own tests failed."""
     print(f"{'target':28s} {'mutants':>7s} {'tested':>6s} {'killed':>6s} {'timeout':>7s} {'score':>6s}  95% interval")
-    report = {}
-    for target, _, chosen, total in plan:
-        if target in baseline_failed:
+    broken = False
+    for target, total in totals.items():
+        mine = [r for r in rows if r["target"] == target]
+        if any(r["status"] == "baseline-failed" for r in mine):
             print(f"{target:28s} {total:7d}  the unmutated tests fail: no score")
+            broken = True
             continue
-        rows = outcomes[target]
-        killed = sum(status != "passed" for status, _, _ in rows)
-        timeouts = sum(status == "timeout" for status, _, _ in rows)
-        low, high = score_interval(killed, len(rows))
-        score = killed / len(rows) if rows else float("nan")
-        print(f"{target:28s} {total:7d} {len(rows):6d} {killed:6d} {timeouts:7d} {score:6.1%}  [{low:.1%}, {high:.1%}]")
-        path = source_file(target)
-        survivors = [changed_line(path, sources[path], m) for status, m, _ in rows if status == "passed"]
-        report[target] = {"mutants": total, "tested": len(rows), "killed": killed, "timeouts": timeouts,
-                          "survivors": [{"line": n, "before": b, "after": a} for n, b, a in sorted(survivors)]}
-    for target, entry in report.items():
-        for survivor in entry["survivors"]:
-            print(f"  survived {source_file(target)}:{survivor['line']}: {survivor['before']}  ->  {survivor['after']}")
-    if args.json:
-        args.json.write_text(json.dumps({"sample": args.sample, "seed": args.seed, "targets": report}, indent=1))
-    return 1 if baseline_failed else 0
+        killed = sum(r["status"] != "passed" for r in mine)
+        timeouts = sum(r["status"] == "timeout" for r in mine)
+        low, high = score_interval(killed, len(mine))
+        score = killed / len(mine) if mine else float("nan")
+        print(f"{target:28s} {total:7d} {len(mine):6d} {killed:6d} {timeouts:7d} {score:6.1%}  [{low:.1%}, {high:.1%}]")
+    tested = [r for r in rows if r["status"] != "baseline-failed"]
+    killed = sum(r["status"] != "passed" for r in tested)
+    low, high = score_interval(killed, len(tested))
+    print(f"{'all':28s} {sum(totals.values()):7d} {len(tested):6d} {killed:6d} {'':7s} "
+          f"{killed / max(1, len(tested)):6.1%}  [{low:.1%}, {high:.1%}]")
+    for r in sorted((r for r in rows if r["status"] == "passed"), key=lambda r: (r["target"], r["line"])):
+        print(f"  survived {source_file(r['target'])}:{r['line']}: {r['before']}  ->  {r['after']}")
+    return 1 if broken else 0
+
+
+def report_from_log(path: Path) -> int:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    totals = {t: entry["mutants"] for t, entry in lines[0]["plan"].items()}
+    return summarise(totals, lines[1:])
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ class PartialModel(FedAvg):
                 raise self._split_error(exc) from None
             base = [key for layer in layers[:k] for key in layer]
             head = [key for layer in layers[k:] for key in layer]
-            cache[arch] = (base, head) if self.shared_part == "base" else (head, base)
+            cache[arch] = {"base": (base, head), "head": (head, base)}[self.shared_part]  # a typo fails loudly
         return cache[arch]
 
     def shared_keys(self, ctx, arch: str) -> list[str]:
