@@ -80,6 +80,21 @@ def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
     return " ".join([base, *extras])
 
 
+def run_names(points: list[Point]) -> list[str]:
+    """Each point's run name; points that would share one (two [algorithm] tables of the same
+    method in a sweep) are told apart by the algorithm parameters whose values differ."""
+    names = [run_name_for(p.resolved, p.settings) for p in points]
+    for name in set(names):
+        same = [i for i, n in enumerate(names) if n == name]
+        if len(same) < 2:
+            continue
+        params = [flatten(points[i].resolved.as_dict.get("algorithm", {}).get("params", {})) for i in same]
+        differing = [k for k in dict.fromkeys(k for p in params for k in p) if len({p.get(k) for p in params}) > 1]
+        for i, p in zip(same, params):
+            names[i] = " ".join([name, *[f"{k.split('.')[-1]}={p.get(k)}" for k in differing]])
+    return names
+
+
 ALGORITHM_KEYS = ("algorithm", "algorithm.name")
 
 
@@ -158,7 +173,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     points = resolve_points(load_toml(path), overrides, sweeps, no_sweep, notes)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    names = [run_name_for(p.resolved, p.settings) for p in points]
+    names = run_names(points)
     check_compare_to(points, names)
     references = reference_points(points)
     if dry_run:

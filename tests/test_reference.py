@@ -109,3 +109,13 @@ def test_sweep_points_are_methods_with_their_own_budget_and_share_the_references
     assert ran == ["local (reference)", "fedavg", "local local_epochs=2"]
     twice = next(r for r in shown if r.name == "local local_epochs=2")
     assert twice.runs[0].final["budget.private_epochs"] == 4  # 2 rounds x 2 epochs
+
+
+def test_two_sweep_points_of_one_method_are_named_by_the_parameters_that_differ():
+    raw = tiny_raw(**{"sweep.algorithm": [
+        {"name": "fedrep", "params": {"head_epochs": 1, "body_epochs": 1}},
+        {"name": "fedrep", "params": {"head_epochs": 10, "body_epochs": 1}},
+        {"name": "fedavg"},
+    ]})
+    points = runner.resolve_points(raw, [], [], False, [])
+    assert runner.run_names(points) == ["fedrep head_epochs=1", "fedrep head_epochs=10", "fedavg"]
