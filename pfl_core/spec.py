@@ -350,6 +350,8 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
     if isinstance(exc, KeyError):
         key = str(exc.args[0])
         return (path if path[-1:] == [key] else path + [key]), "required key is missing"
+    if isinstance(exc, AttributeError) and exc.name == "items":  # a mapping field given a scalar or list
+        return path, f"expected a table, got {exc.obj!r}"
     return path, str(exc)
 
 

@@ -162,3 +162,12 @@ def test_bad_sweep_points_name_the_entry(entry):
     with pytest.raises(SpecError) as info:
         expand_sweep(raw)
     assert info.value.path.startswith("sweep.points")
+
+
+@pytest.mark.parametrize("params", [3, [1, 2], "lr=0.1"])
+def test_plugin_params_that_are_not_a_table_name_the_key(params):
+    from tiny import tiny_raw
+
+    with pytest.raises(SpecError) as info:
+        structure(tiny_raw(**{"algorithm.params": params}), Spec)
+    assert str(info.value) == f"algorithm.params: expected a table, got {params!r}"
