@@ -1,0 +1,88 @@
+"""Every spec in specs/ resolves as ``pfl-run SPEC --dry-run`` resolves it, and the paper-table
+specs give every method the same private budget.
+
+The spec-level checks (types, plugin parameters, each plugin's ``check_spec``, the sweep
+points, ``experiment.compare_to``, the ``experiment.reference`` runs) need no data. The
+data-level check of ``--dry-run`` (partition the data, build every architecture for its input
+shape) runs where the spec's dataset file is here and skips, naming the file, where it is not
+(../shared/data exists only on the project's machines)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfl_core.context import ModelBank
+from pfl_core.data.federated import build_federated_data
+from pfl_core.runner import check_compare_to, reference_points, resolve_points, run_name_for
+from pfl_core.spec import load_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted((ROOT / "specs").glob("*.toml"))
+TABLE_SPECS = ["fedmosaic_table2.toml", "fedsimsup_table2.toml", "pmixfed_table.toml"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the specs' data paths are relative to the repository root
+
+
+def resolved_runs(path: Path) -> list[tuple[str, object]]:
+    """(run name, Point) for every sweep point and every reference run, as --dry-run resolves them."""
+    points = resolve_points(load_toml(path), [])
+    names = [run_name_for(p.resolved, p.settings) for p in points]
+    check_compare_to(points, names)
+    return [*zip(names, points), *reference_points(points)]
+
+
+def test_the_specs_folder_is_found():
+    assert len(SPECS) >= 15 and all(ROOT.joinpath("specs", name).is_file() for name in TABLE_SPECS)
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+def test_every_spec_resolves_without_data(path):
+    runs = resolved_runs(path)
+    assert runs
+    for name, point in runs:
+        private = point.resolved.as_dict["budget"]["private_epochs"]
+        assert math.isnan(private) or private >= 0, (name, private)  # nan: a method that can only measure it
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+def test_every_spec_partitions_its_data_where_the_data_is_here(path):
+    """--dry-run's data check, for the first sweep point and its first seed."""
+    point = resolve_points(load_toml(path), [])[0]
+    spec = point.for_seed(point.seeds[0]).spec if point.seeds else point.resolved.spec
+    if spec.data.name == "npz":
+        file = ROOT / spec.data.params["path"]
+        if not file.is_file():
+            pytest.skip(f"{path.name} needs {file.resolve()}, absent here (only on the project's machines)")
+    elif spec.data.name != "synthetic":
+        pytest.skip(f"{path.name} reads torchvision's {spec.data.name!r} files (downloaded on first use); "
+                    f"not checked offline")
+    data = build_federated_data(spec)
+    ModelBank(spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+    assert data.clients
+
+
+@pytest.mark.parametrize("name", TABLE_SPECS)
+def test_paper_table_specs_give_every_run_the_same_private_budget(name):
+    runs = resolved_runs(ROOT / "specs" / name)
+    budgets = {label: point.resolved.as_dict["budget"]["private_epochs"] for label, point in runs}
+    assert len(set(budgets.values())) == 1, budgets
+    assert next(iter(budgets.values())) > 0
+    labels = list(budgets)
+    assert "local (reference)" in labels and "centralized (reference)" in labels, labels
+
+
+@pytest.mark.parametrize("name", TABLE_SPECS)
+def test_paper_table_specs_repeat_three_seeds_against_the_method_under_test(name):
+    points = resolve_points(load_toml(ROOT / "specs" / name), [])
+    experiment = points[0].resolved.spec.experiment
+    assert experiment.seeds == [0, 1, 2]
+    assert experiment.reference == ["local", "centralized"]
+    assert experiment.compare_to == run_name_for(points[0].resolved, points[0].settings)  # listed first
+    algorithms = [p.resolved.spec.algorithm.name for p in points]
+    assert len(set(algorithms)) == len(algorithms), algorithms  # one point per method
+    assert not {"local", "centralized"} & set(algorithms)  # those are the reference runs
