@@ -12,7 +12,7 @@ import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import SpecError
-from .spec import POINTS, apply_overrides, expand_sweep, load_toml
+from .spec import POINTS, apply_overrides, expand_sweep, load_toml, set_dotted
 from .stats import Summary, paired_difference, summarize
 from .tracking import flatten, make_tracker
 
@@ -24,6 +24,7 @@ class Point:
     settings: dict[str, Any]
     resolved: Resolved
     raw: dict
+    base: dict | None = None  # the spec before its sweep settings (--set applied): references start here
 
     @property
     def seeds(self) -> list[int] | None:
@@ -58,10 +59,11 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
                    notes: list[str] | None = None) -> list[Point]:
     """Every run the spec describes (one, or one per sweep point), validated before any runs."""
     raw = apply_overrides(raw, overrides, sweeps, no_sweep, notes)
+    base = {k: v for k, v in raw.items() if k != "sweep"}
     points = []
     for settings, point in expand_sweep(raw):
         try:
-            points.append(Point(settings, resolve(point), point))
+            points.append(Point(settings, resolve(point), point, base))
         except SpecError as exc:
             if settings:  # say which sweep point broke
                 where = ", ".join(f"{k}={v!r}" for k, v in settings.items())
@@ -122,7 +124,11 @@ def reference_points(points: list[Point]) -> list[tuple[str, Point]]:
             continue
         seen.add(group)
         for name in experiment.reference:
-            raw = copy.deepcopy(point.raw)
+            # the spec's own settings and this group's data settings, never a sweep point's
+            # method-specific overrides (a FedAlt entry's local_epochs is not Local's budget)
+            raw = copy.deepcopy(point.base if point.base is not None else point.raw)
+            for key, value in shared.items():
+                set_dotted(raw, key, value)
             raw["algorithm"] = {"name": name}
             try:
                 ref = Point(shared, resolve(raw), raw)

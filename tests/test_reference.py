@@ -119,3 +119,25 @@ def test_two_sweep_points_of_one_method_are_named_by_the_parameters_that_differ(
     ]})
     points = runner.resolve_points(raw, [], [], False, [])
     assert runner.run_names(points) == ["fedrep head_epochs=1", "fedrep head_epochs=10", "fedavg"]
+
+
+def test_a_reference_never_takes_a_sweep_points_method_overrides():
+    """References start from the spec's own settings: the first point's budget override (here
+    FedAlt-style local_epochs = 1) must not become Local's budget."""
+    raw = tiny_raw(**{"experiment.reference": ["local"], "training.local_epochs": 2})
+    raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}, "training.local_epochs": 1},
+                               {"algorithm": {"name": "fedprox"}}]}
+    points = runner.resolve_points(raw, ["experiment.rounds=3"], [], False, [])
+    [(label, reference)] = runner.reference_points(points)
+    assert label == "local (reference)"
+    assert reference.resolved.spec.training.local_epochs == 2
+    assert reference.resolved.spec.experiment.rounds == 3  # --set still applies
+    assert points[0].resolved.spec.training.local_epochs == 1
+
+
+def test_a_reference_follows_its_groups_data_settings():
+    raw = tiny_raw(**{"experiment.reference": ["local"]})
+    raw["sweep"] = {"partition.num_clients": [3, 5], "algorithm.name": ["fedavg", "fedprox"]}
+    points = runner.resolve_points(raw, [], [], False, [])
+    references = runner.reference_points(points)
+    assert [r.resolved.spec.partition.num_clients for _, r in references] == [3, 5]
