@@ -146,9 +146,11 @@ def mutated_source(path: str, source: str, mutation_id) -> str:
 
 def copy_repository(into: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", ".git", ".venv", "mlruns", "*.db", "*.egg-info")
-    for name in ("pfl_core", "plugins", "tests"):
-        shutil.copytree(ROOT / name, into / name, ignore=ignore)
-    shutil.copy(ROOT / "pyproject.toml", into / "pyproject.toml")
+    for name in ("pfl_core", "plugins", "tests", "specs", "docs", "examples", "benchmarks"):  # tests read specs and docs
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, into / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, into / name)
     return into
 
 
