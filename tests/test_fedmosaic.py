@@ -118,6 +118,15 @@ def softplus(v):
     return math.log1p(math.exp(v))
 
 
+def test_batch_mode_takes_lambda_from_the_step_and_never_from_the_whole_sets(monkeypatch):
+    """Alg. 1's per-step lambda: the full-set ("round") lambda is never computed in batch mode
+    (here the two would coincide, one example each, so the call itself is what is checked)."""
+    monkeypatch.setattr(FedMosaic, "_round_lambda", lambda *a, **k: pytest.fail("batch mode computed a round lambda"))
+    _, _, logged, _ = one_step(pseudo_y=0)
+    l_priv, l_pseudo = softplus(-1), softplus(1)
+    assert logged["lambda/0"] == pytest.approx(math.exp(-(l_pseudo - l_priv) / (l_priv + 1e-6)), rel=1e-5)
+
+
 def test_one_step_descends_l_priv_plus_a_gradient_free_lambda_times_l_pseudo():
     model, metrics, logged, work = one_step(pseudo_y=0)
     # logits: private [1, 0] (label 0), public [0, 1] (consensus label 0)

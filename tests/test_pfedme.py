@@ -194,6 +194,16 @@ def test_the_evaluated_model_is_theta_and_the_global_model_before_any_training()
     assert_same(state_of(model), ctx.server["global"])
 
 
+def test_a_coldstart_client_is_evaluated_with_its_own_theta_trained_from_the_global_model():
+    engine, ctx = prepared(**RAW, **{"experiment.coldstart_clients": 1})
+    engine.run_round(ctx, 1)
+    client = ctx.client(ctx.coldstart_clients[0])
+    assert "personal" not in ctx.store[client.id]  # it never trained
+    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)[""]
+    assert_same(state_of(model), ctx.store[client.id]["personal"])  # theta_i, not w
+    assert far_apart(ctx.store[client.id]["personal"], ctx.server["global"], ctx.server["global"])
+
+
 def test_only_w_travels_and_work_is_k_passes_per_epoch():
     ctx = run_rounds(2, **RAW, **{"experiment.participation": 0.5})
     assert ctx.comm_up == ctx.comm_down == 2 * 2 * model_bytes(ctx.server["global"])
