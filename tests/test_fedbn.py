@@ -134,11 +134,16 @@ def test_a_full_run_with_coldstart_clients():
 
 
 @pytest.mark.parametrize("model,key", [({"model.params": {"hidden": [8]}}, "model.name"),
-                                       ({"model.params": {"hidden": [8]}, "model.pool": ["mlp"]}, "model.pool")])
+                                       ({"model.params": {"hidden": [8]}, "model.pool": ["mlp"]}, "model.pool"),
+                                       ({"model.params": {"hidden": [8]}, "model.clients": ["mlp"] * 4}, "model.clients")])
 def test_a_model_without_batchnorm_is_a_spec_error_before_any_data(model, key):
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{**RAW, **model}))
-    assert info.value.path == key and "'mlp' has none" in info.value.message
+    assert info.value.path == key
+    assert info.value.message == (
+        "fedbn keeps the BatchNorm layers local, but 'mlp' has none (FedBN would be FedAvg); use a model with "
+        'BatchNorm, e.g. model.params.norm = "batch" on mlp, lenet5, cnn2 or cnn4, or resnet18, mobilenet_v2, '
+        "vgg16 with batch_norm = true")
 
 
 def test_the_real_model_is_checked_when_the_probe_cannot_build_it(monkeypatch):
