@@ -1,4 +1,5 @@
-"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins`` lists plugins.
+"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins`` lists plugins; ``pfl docs``
+generates the built-in plugins' parameter reference.
 
 Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
 """
@@ -88,6 +89,23 @@ def plugins_main() -> int:
     return 0
 
 
+def docs_main(write: str | None, check: str | None) -> int:
+    from . import docgen
+
+    generated = docgen.generate()
+    if write is None and check is None:
+        sys.stdout.write(generated)
+        return 0
+    if check is not None:
+        if docgen.is_current(check, generated):
+            return 0
+        print(f"pfl docs: {check} is not current; run: pfl docs --write {check}", file=sys.stderr)
+        return 1
+    changed = docgen.write(write, generated)
+    print(f"pfl docs: {write} {'updated' if changed else 'already current'}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
@@ -95,18 +113,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
     sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
+    docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
+                                       "write it into a file's generated region")
+    target = docs.add_mutually_exclusive_group()
+    target.add_argument("--write", metavar="FILE", help="replace the generated region of FILE "
+                                                          "(docs/spec-reference.md)")
+    target.add_argument("--check", metavar="FILE", help="exit 1 if FILE's generated region is not current")
     if argv[:1] == ["run"]:
         return run_main(argv[1:], prog="pfl run")
     if not argv:  # `pfl` alone: what it can do, not an argparse error
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
-    if args.command == "plugins":
-        try:
+    try:
+        if args.command == "plugins":
             return plugins_main()
-        except BrokenPipeError:  # `pfl plugins | head`
-            sys.stderr.close()
-            return 0
+        if args.command == "docs":
+            return docs_main(args.write, args.check)
+    except BrokenPipeError:  # `pfl plugins | head`
+        sys.stderr.close()
+        return 0
+    except PflError as exc:
+        print(f"pfl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_USAGE
 
 

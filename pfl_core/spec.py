@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import typing
 import math
 import sys
@@ -47,7 +48,20 @@ class FieldError(ValueError):
         super().__init__(f"{name}: {message}")
 
 
+def described(text: str):
+    """Mark a validator with the constraint it enforces, in words (``"each >= 1"``): the
+    ``constraint`` column of the generated parameter reference (``pfl docs``,
+    :mod:`pfl_core.docgen`). Only sets the attribute ``describe``; the check is unchanged."""
+
+    def mark(validator):
+        validator.describe = text
+        return validator
+
+    return mark
+
+
 def _check(predicate, description):
+    @described(description)
     def validator(_instance, attribute, value):
         if value is not None and not predicate(value):
             raise FieldError(attribute.name, f"must be {description}, got {value!r}")
@@ -74,12 +88,20 @@ def between(low, high, *, low_open=False, high_open=False):
     return _check(ok, f"in {lo}{low}, {high}{hi}")
 
 
+@described("finite")
 def finite(_instance, attribute, value):
     if value is not None and not math.isfinite(value):
         raise FieldError(attribute.name, f"must be a finite number, got {value!r}")
 
 
+def choices_text(choices) -> str:
+    """``"a"``, ``"a" or "b"``, ``"a", "b" or "c"`` (strings quoted as in TOML)."""
+    words = [json.dumps(c) if isinstance(c, str) else repr(c) for c in choices]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
 def one_of(*choices):
+    @described(choices_text(choices))
     def validator(_instance, attribute, value):
         if value not in choices:
             raise FieldError(
@@ -95,6 +117,7 @@ def one_of(*choices):
 # Spec sections
 
 
+@described("non-empty, distinct, each >= 0")
 def _valid_seeds(_instance, attribute, value):
     if value is None:
         return
@@ -109,6 +132,7 @@ def _valid_seeds(_instance, attribute, value):
 
 
 def _distinct(what):
+    @described("distinct")
     def validator(_instance, attribute, value):
         repeated = sorted({v for v in value if value.count(v) > 1})
         if repeated:

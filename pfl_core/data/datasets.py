@@ -23,13 +23,18 @@ __all__ = ["Synthetic", "Npz", "MNIST", "FashionMNIST", "CIFAR10", "CIFAR100", "
 
 @define
 class SyntheticParams:
-    alpha: float = field(default=1.0, validator=[finite, at_least(0)])
-    beta: float = field(default=1.0, validator=[finite, at_least(0)])
-    num_devices: int = field(default=20, validator=at_least(1))
-    samples_per_device: int = field(default=300, validator=at_least(1))
-    dim: int = field(default=60, validator=at_least(1))
-    num_classes: int = field(default=10, validator=at_least(2))
-    seed: int = field(default=0, validator=at_least(0))
+    alpha: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
+        "doc": "how much the devices' labelling models differ (FedProx's Synthetic(alpha, beta))"})
+    beta: float = field(default=1.0, validator=[finite, at_least(0)],
+                        metadata={"doc": "how much the devices' inputs differ"})
+    num_devices: int = field(default=20, validator=at_least(1), metadata={
+        "doc": 'generating devices (the domains; partition.scheme = "domain" gives one client per device)'})
+    samples_per_device: int = field(default=300, validator=at_least(1),
+                                    metadata={"doc": "samples generated per device"})
+    dim: int = field(default=60, validator=at_least(1), metadata={"doc": "feature dimension"})
+    num_classes: int = field(default=10, validator=at_least(2), metadata={"doc": "number of classes"})
+    seed: int = field(default=0, validator=at_least(0), metadata={
+        "doc": "the generator's own seed (the data stay fixed while experiment.seed varies)"})
 
 
 class Synthetic(DatasetPlugin):
@@ -90,8 +95,11 @@ class Synthetic(DatasetPlugin):
 
 @define
 class NpzParams:
-    path: str
-    domain_key: str = "domain"
+    path: str = field(metadata={
+        "doc": "a .npz file with x_train, y_train (and optionally x_test, y_test, classes, domain arrays); "
+               "~ expanded, relative to the working directory"})
+    domain_key: str = field(default="domain", metadata={
+        "doc": "prefix of the domain arrays: <key>_train, <key>_test, <key>s (names)"})
 
 
 class Npz(DatasetPlugin):
@@ -155,8 +163,9 @@ DOWNLOAD_TIMEOUT = 15.0
 
 @define
 class TorchvisionParams:
-    root: str = "~/.cache/pfl/data"
-    download: bool = True
+    root: str = field(default="~/.cache/pfl/data", metadata={
+        "doc": "where torchvision's files are (torchvision's layout; ~ expanded)"})
+    download: bool = field(default=True, metadata={"doc": "download into root when missing"})
 
 
 def _short(exc: BaseException) -> str:
@@ -290,9 +299,11 @@ EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 
 @define
 class EMNISTParams:
-    root: str = "~/.cache/pfl/data"
-    download: bool = True
-    split: str = field(default="balanced", validator=one_of(*EMNIST_SPLITS))
+    root: str = field(default="~/.cache/pfl/data", metadata={
+        "doc": "where torchvision's files are (torchvision's layout; ~ expanded)"})
+    download: bool = field(default=True, metadata={"doc": "download into root when missing"})
+    split: str = field(default="balanced", validator=one_of(*EMNIST_SPLITS), metadata={
+        "doc": "the EMNIST split (letters' labels are shifted to 0..25)"})
 
 
 class EMNIST(_Torchvision):

@@ -158,8 +158,10 @@ class IID(PartitionerPlugin):
 
 @define
 class DirichletParams:
-    alpha: float = field(default=0.5, validator=[finite, greater_than(0)])
-    max_tries: int = field(default=100, validator=at_least(1))
+    alpha: float = field(default=0.5, validator=[finite, greater_than(0)], metadata={
+        "doc": "per class, client proportions ~ Dir(alpha); smaller is more skewed"})
+    max_tries: int = field(default=100, validator=at_least(1), metadata={
+        "doc": "resampling attempts until every client has partition.min_samples"})
 
 
 class Dirichlet(PartitionerPlugin):
@@ -193,7 +195,8 @@ class Dirichlet(PartitionerPlugin):
 
 @define
 class PathologicalParams:
-    classes_per_client: int = field(default=2, validator=at_least(1))
+    classes_per_client: int = field(default=2, validator=at_least(1), metadata={
+        "doc": "every client holds exactly this many classes, equal shards per class"})
 
 
 class Pathological(PartitionerPlugin):
@@ -246,7 +249,9 @@ class Domain(PartitionerPlugin):
 
 @define
 class HybridParams:
-    classes_per_client: int = field(default=2, validator=at_least(1))
+    classes_per_client: int = field(default=2, validator=at_least(1), metadata={
+        "doc": "classes per client within its domain (num_clients / D clients per domain, pathological "
+               "within each)"})
 
 
 class Hybrid(PartitionerPlugin):
@@ -287,10 +292,15 @@ class Hybrid(PartitionerPlugin):
 
 @define
 class GroupDirichletParams:
-    groups: int = field(default=5, validator=at_least(1))
-    alpha: float = field(default=5.0, validator=[finite, greater_than(0)])
-    shared: float = field(default=0.1, validator=between(0, 1, high_open=True))
-    max_tries: int = field(default=100, validator=at_least(1))
+    groups: int = field(default=5, validator=at_least(1), metadata={
+        "doc": "disjoint class groups; client i is in group i % groups. At most the number of classes "
+               "and of clients (checked when partitioning)"})
+    alpha: float = field(default=5.0, validator=[finite, greater_than(0)],
+                         metadata={"doc": "Dirichlet concentration within a group"})
+    shared: float = field(default=0.1, validator=between(0, 1, high_open=True), metadata={
+        "doc": "share of every client's samples pooled and dealt back uniformly to all clients"})
+    max_tries: int = field(default=100, validator=at_least(1), metadata={
+        "doc": "resampling attempts until every client has partition.min_samples"})
 
 
 class GroupDirichlet(PartitionerPlugin):

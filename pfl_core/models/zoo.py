@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..registry import NoParams
-from ..spec import FieldError, at_least, between, finite, greater_than, one_of
+from ..spec import FieldError, at_least, between, described, finite, greater_than, one_of
 from .base import ModelPlugin
 
 __all__ = [
@@ -62,6 +62,7 @@ def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
+@described("each >= 1")
 def _positive_sizes(_instance, attribute, value):
     if any(isinstance(v, bool) or v < 1 for v in value):
         raise FieldError(attribute.name, f"must be a list of sizes >= 1, got {value!r}")
@@ -69,11 +70,12 @@ def _positive_sizes(_instance, attribute, value):
 
 _WIDTH = dict(default=1.0, validator=[finite, greater_than(0)])
 _DROPOUT = [finite, between(0, 1, high_open=True)]
-# ``norm = "batch"``: a BatchNorm after every convolution and hidden fully connected layer
-# (before its ReLU), as in the FedBN paper's networks (Li et al., ICLR 2021, App. Table 5:
-# conv -> BN -> ReLU -> pool, fc -> BN1d -> ReLU, none after the classifier). "none" builds
-# exactly the model without it (same modules, state-dict keys and initial weights).
-_NORM = dict(default="none", validator=one_of("none", "batch"))
+# ``norm = "batch"``: as in the FedBN paper's networks (Li et al., ICLR 2021, App. Table 5:
+# conv -> BN -> ReLU -> pool, fc -> BN1d -> ReLU, none after the classifier).
+_NORM = dict(default="none", validator=one_of("none", "batch"), metadata={
+    "doc": '"batch": a BatchNorm after every convolution and hidden fully connected layer, before its '
+           "ReLU (FedBN's networks); the other weights are those of the plain model under the same seed. "
+           '"none" builds exactly the model without it (same modules, state-dict keys and initial weights)'})
 
 
 def _norm(kind: str, channels: int, dims: int) -> nn.Module:
@@ -145,7 +147,8 @@ class LeNet5(_SmallInputCheck, ModelPlugin):
 
     @define
     class Params:
-        width: float = field(**_WIDTH)
+        width: float = field(**_WIDTH, metadata={"doc": "multiplies every channel and unit count "
+                                                         "(6, 16, 120, 84), rounded half up, at least 1"})
         norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
@@ -190,7 +193,8 @@ class MLP(ModelPlugin):
 
     @define
     class Params:
-        hidden: list[int] = field(factory=lambda: [200, 200], validator=_positive_sizes)
+        hidden: list[int] = field(factory=lambda: [200, 200], validator=_positive_sizes, metadata={
+            "doc": "hidden layer sizes; [] is multinomial logistic regression"})
         norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
@@ -223,7 +227,8 @@ class _SmallCNN(_SmallInputCheck, ModelPlugin):
 
     @define
     class Params:
-        width: float = field(**_WIDTH)
+        width: float = field(**_WIDTH, metadata={"doc": "multiplies the channel and unit counts "
+                                                         "(cnn2: 32, 64, 512; cnn4: 32, 64), rounded half up"})
         norm: str = field(**_NORM)
 
     def build(self, input_shape, num_classes):
@@ -347,8 +352,10 @@ class AlexNet(ModelPlugin):
 
     @define
     class Params:
-        hidden: int = field(default=1024, validator=at_least(1))
-        dropout: float = field(default=0.5, validator=_DROPOUT)
+        hidden: int = field(default=1024, validator=at_least(1),
+                            metadata={"doc": "units of each of the classifier's two hidden layers"})
+        dropout: float = field(default=0.5, validator=_DROPOUT,
+                               metadata={"doc": "dropout probability before each hidden layer of the classifier"})
 
     def build(self, input_shape, num_classes):
         c, h, w = self.check_shape(input_shape, num_classes)
@@ -391,8 +398,10 @@ class MobileNetV2(ModelPlugin):
 
     @define
     class Params:
-        width: float = field(**_WIDTH)
-        dropout: float = field(default=0.2, validator=_DROPOUT)
+        width: float = field(**_WIDTH, metadata={"doc": "torchvision's width_mult (channels rounded to "
+                                                         "multiples of 8)"})
+        dropout: float = field(default=0.2, validator=_DROPOUT,
+                               metadata={"doc": "the classifier's dropout probability (torchvision's default)"})
 
     def build(self, input_shape, num_classes):
         c, h, w = self.check_shape(input_shape, num_classes)
@@ -419,7 +428,8 @@ class SqueezeNet(ModelPlugin):
 
     @define
     class Params:
-        dropout: float = field(default=0.5, validator=_DROPOUT)
+        dropout: float = field(default=0.5, validator=_DROPOUT,
+                               metadata={"doc": "dropout probability before the final convolution (torchvision's)"})
 
     def build(self, input_shape, num_classes):
         c, h, w = self.check_shape(input_shape, num_classes)
@@ -485,10 +495,12 @@ class VGG16(ModelPlugin):
 
     @define
     class Params:
-        width: float = field(**_WIDTH)
-        hidden: int = field(default=512, validator=at_least(1))
-        dropout: float = field(default=0.5, validator=_DROPOUT)
-        batch_norm: bool = False
+        width: float = field(**_WIDTH, metadata={"doc": "multiplies the convolution channels (64 ... 512)"})
+        hidden: int = field(default=512, validator=at_least(1),
+                            metadata={"doc": "units of each of the classifier's two hidden layers"})
+        dropout: float = field(default=0.5, validator=_DROPOUT,
+                               metadata={"doc": "dropout probability after each hidden layer of the classifier"})
+        batch_norm: bool = field(default=False, metadata={"doc": "true: VGG-16-BN (torchvision's vgg16_bn layout)"})
 
     def build(self, input_shape, num_classes):
         c, h, w = self.check_shape(input_shape, num_classes)

@@ -67,9 +67,15 @@ from plugins.fedavg import FedAvg
 
 @define
 class APFLParams:
-    alpha: float = field(default=0.5, validator=[finite, between(0, 1)])  # alpha_i^0 (or the fixed alpha)
-    adaptive: bool = True
-    alpha_lr: Optional[float] = field(default=None, validator=[finite, greater_than(0)])  # None: training.lr
+    alpha: float = field(default=0.5, validator=[finite, between(0, 1)], metadata={
+        "doc": "every client's initial alpha_i (the fixed one with adaptive = false); the middle of the "
+               "paper's grid 0.25, 0.5, 0.75"})
+    adaptive: bool = field(default=True, metadata={
+        "doc": "learn alpha_i by a gradient step per batch, projected onto [0, 1]; false: fixed "
+               "(1 is Local, 0 FedAvg)"})
+    alpha_lr: Optional[float] = field(default=None, validator=[finite, greater_than(0)], metadata={
+        "doc": "step size of alpha's gradient step; none: training.lr (the paper uses one step size "
+               "for w, v and alpha)"})
 
 
 def mixture(alpha, v: dict, w: dict) -> dict:
@@ -98,6 +104,11 @@ def alpha_step(alpha: float, grad_alpha: float, lr: float) -> float:
 
 
 class APFL(FedAvg):
+    """APFL (Deng et al. 2020): a local model v_i beside the global w; the evaluated model is the
+    mixture ``alpha_i v_i + (1 - alpha_i) w``, alpha_i learned per client (logged as
+    ``alpha/<client>``). FedAvg's bytes. Budget: ``2 * training.local_epochs`` (a pass of w and
+    one of the mixture per sample)."""
+
     name = "apfl"
     Params = APFLParams
 

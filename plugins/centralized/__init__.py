@@ -21,6 +21,10 @@ def cross_entropy(model, x, y, logits):
 
 
 class Centralized(FedAvg):
+    """One model trained on the pooled training data of all training clients
+    (``training.local_epochs`` epochs per round), evaluated on each client's test split; no
+    communication is counted."""
+
     name = "centralized"
 
     @hookimpl

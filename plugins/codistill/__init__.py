@@ -48,13 +48,18 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 @define
 class CodistillParams:
-    pretrain_epochs: int = field(default=5, validator=at_least(0))  # E0, the client's first round only
-    # Local fine-tuning epochs on D_i in every later round; None: training.local_epochs.
-    finetune_epochs: Optional[int] = field(default=None, validator=at_least(0))
-    distill_epochs: int = field(default=1, validator=at_least(0))  # client distillation on U
-    temperature: float = field(default=1.0, validator=[finite, greater_than(0)])
-    label_dtype: str = field(default="float32", validator=one_of(*DTYPES))
-    distill_batch_size: int = field(default=64, validator=at_least(1))
+    pretrain_epochs: int = field(default=5, validator=at_least(0), metadata={
+        "doc": "E0: epochs on D_i in the client's first round only (instead of finetune_epochs)"})
+    finetune_epochs: Optional[int] = field(default=None, validator=at_least(0), metadata={
+        "doc": "local fine-tuning epochs on D_i in every later round; none: training.local_epochs"})
+    distill_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "epochs of the client's distillation on U from the server's targets, a round"})
+    temperature: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "T: the uploaded predictions are softmax(f_i(x) / T); the distillation uses the same T"})
+    label_dtype: str = field(default="float32", validator=one_of(*DTYPES), metadata={
+        "doc": "precision of the uploaded predictions (float16 halves the bytes)"})
+    distill_batch_size: int = field(default=64, validator=at_least(1),
+                                    metadata={"doc": "batch size of every distillation on U"})
 
 
 def require_public(spec, method: str) -> None:

@@ -27,8 +27,10 @@ from plugins.codistill import DTYPES, CodistillParams, PublicPredictionMethod
 
 @define
 class CometParams(CodistillParams):
-    num_clusters: int = field(default=2, validator=at_least(1))
-    kmeans_iterations: int = field(default=50, validator=at_least(1))
+    num_clusters: int = field(default=2, validator=at_least(1), metadata={
+        "doc": "K of the server's k-means on the clients' predictions (at most the number of uploads)"})
+    kmeans_iterations: int = field(default=50, validator=at_least(1), metadata={
+        "doc": "Lloyd iterations after the seeded k-means++ initialisation"})
 
 
 def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iterations: int = 50) -> np.ndarray:

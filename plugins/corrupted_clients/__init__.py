@@ -16,11 +16,12 @@ from __future__ import annotations
 from attrs import define, field
 
 from pfl_core import ADDON, Plugin, SpecError, hookimpl
-from pfl_core.spec import FieldError, one_of
+from pfl_core.spec import FieldError, choices_text, described, one_of
 
 SPLITS = ("train", "val", "test")
 
 
+@described(f"non-empty, each {choices_text(SPLITS)}")
 def _splits(_instance, attribute, value):
     bad = [s for s in value if s not in SPLITS]
     if bad or not value:
@@ -29,9 +30,13 @@ def _splits(_instance, attribute, value):
 
 @define
 class CorruptedClientsParams:
-    clients: list[int] = field(factory=lambda: [0])
-    mapping: str = field(default="reverse", validator=one_of("reverse", "shift"))
-    splits: list[str] = field(factory=lambda: list(SPLITS), validator=_splits)
+    clients: list[int] = field(factory=lambda: [0], metadata={
+        "doc": "the clients whose labels are flipped (before any plugin's setup); each an existing "
+               "client id (checked by check_spec)"})
+    mapping: str = field(default="reverse", validator=one_of("reverse", "shift"), metadata={
+        "doc": "y -> C - 1 - y, or y -> (y + 1) mod C"})
+    splits: list[str] = field(factory=lambda: list(SPLITS), validator=_splits, metadata={
+        "doc": 'which of those clients\' splits are flipped; ["train"] poisons training only'})
 
 
 def flip(y, num_classes: int, mapping: str):

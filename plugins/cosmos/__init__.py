@@ -47,7 +47,7 @@ from attrs import define, field
 from pfl_core import SpecError, hookimpl
 from pfl_core.context import clone_state, load_state
 from pfl_core.registry import MODEL, resolve
-from pfl_core.spec import FieldError, at_least, finite, greater_than
+from pfl_core.spec import FieldError, at_least, described, finite, greater_than
 from plugins.codistill import (
     DTYPES,
     CodistillParams,
@@ -59,6 +59,7 @@ from plugins.codistill import (
 )
 
 
+@described('a number > 0, or "auto"')
 def positive_or_auto(_instance, attribute, value):
     if value == "auto":
         return
@@ -68,15 +69,26 @@ def positive_or_auto(_instance, attribute, value):
 
 @define
 class CosmosParams(CodistillParams):
-    b0: Any = field(default="auto", validator=positive_or_auto)  # a number > 0, or "auto"
-    max_clusters: int = field(default=5, validator=at_least(1))
-    server_arch: str = "vgg16"
-    server_epochs: int = field(default=5, validator=at_least(0))
-    server_finetune_epochs: int = field(default=1, validator=at_least(0))
-    server_lr: float = field(default=1e-3, validator=[finite, greater_than(0)])
-    lam: float = field(default=5.0, validator=[finite, at_least(0)])  # consistency weight lambda
-    num_augment: int = field(default=2, validator=at_least(0))  # |S(x)|
-    noise_std: float = field(default=0.05, validator=[finite, at_least(0)])
+    b0: Any = field(default="auto", validator=positive_or_auto, metadata={
+        "doc": 'B0, the neighbourhood radius of the greedy clustering (distances are in [0, 2]); "auto": '
+               "the smallest B0 that gives at most max_clusters clusters"})
+    max_clusters: int = field(default=5, validator=at_least(1),
+                              metadata={"doc": 'the most clusters b0 = "auto" allows'})
+    server_arch: str = field(default="vgg16", metadata={
+        "doc": "model plugin of every cluster's server model h_k (its parameters: model.params if it is "
+               "model.name, else model.arch_params.<arch>)"})
+    server_epochs: int = field(default=5, validator=at_least(0),
+                               metadata={"doc": "server model epochs on U in round 1"})
+    server_finetune_epochs: int = field(default=1, validator=at_least(0),
+                                        metadata={"doc": "server model epochs on U in every later round"})
+    server_lr: float = field(default=1e-3, validator=[finite, greater_than(0)],
+                             metadata={"doc": "the server models' Adam step size"})
+    lam: float = field(default=5.0, validator=[finite, at_least(0)],
+                       metadata={"doc": "lambda, weight of the consistency term of Eq. (1) and (2)"})
+    num_augment: int = field(default=2, validator=at_least(0), metadata={
+        "doc": "|S(x)|: augmented copies of each x in the consistency term; 0 switches the term off"})
+    noise_std: float = field(default=0.05, validator=[finite, at_least(0)],
+                             metadata={"doc": "std of the Gaussian noise the augmentation adds"})
 
 
 # -- clustering (Alg. 1) ---------------------------------------------------------------

@@ -61,12 +61,19 @@ from plugins.fedprox import keep_received_weights, proximal_term
 
 @define
 class DittoParams:
-    lam: float = field(default=1.0, validator=[finite, at_least(0)])
-    # None: training.local_epochs (the global solver's epochs)
-    personal_epochs: Optional[int] = field(default=None, validator=at_least(0))
+    lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
+        "doc": "lambda of the personal objective; 0 trains the personal models alone (Local). "
+               "Default: the authors' released runs"})
+    personal_epochs: Optional[int] = field(default=None, validator=at_least(0), metadata={
+        "doc": "epochs of the personal update a round, after the global model's local update; "
+               "none: training.local_epochs (the global solver's epochs)"})
 
 
 class Ditto(FedAvg):
+    """Ditto (Li et al. 2021): FedAvg's global model w plus a personal model v per client, trained
+    after the global update on ``f_i(v) + lam/2 * ||v - w||^2``; v is evaluated and never sent
+    (FedAvg's bytes). Budget: ``training.local_epochs + personal_epochs`` a round."""
+
     name = "ditto"
     Params = DittoParams
 

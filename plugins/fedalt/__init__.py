@@ -33,8 +33,12 @@ from plugins.partial import PartialModel, only_training
 
 @define
 class FedAltParams:
-    split: Optional[int] = field(default=None)
-    personal_epochs: int = field(default=1, validator=at_least(0))
+    split: Optional[int] = field(default=None, metadata={
+        "doc": "layers 1..split are the shared base, the rest the personal head; none: the middle "
+               "(L // 2); negative: counted from the end. Both parts non-empty (checked against the model)"})
+    personal_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "epochs on the personal part a round, shared part fixed, before training.local_epochs "
+               "epochs on the shared part"})
 
 
 class FedAlt(PartialModel):

@@ -71,10 +71,14 @@ from plugins.partial import only_training
 
 @define
 class FedASParams:
-    align_epochs: int = field(default=1, validator=at_least(0))  # (A2)
-    align_lr: float = field(default=0.01, validator=[finite, greater_than(0)])  # (A2)
-    fisher: str = field(default="all", validator=one_of("all", "body"))  # (A3)
-    weighting: str = field(default="fisher", validator=one_of("fisher", "samples"))  # (A4)
+    align_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "epochs of parameter alignment (A2) a round, before training; 0 switches it off"})
+    align_lr: float = field(default=0.01, validator=[finite, greater_than(0)],
+                            metadata={"doc": "alignment step size (A2), plain SGD"})
+    fisher: str = field(default="all", validator=one_of("all", "body"), metadata={
+        "doc": "the parameters whose Fisher trace weights the average (A3)"})
+    weighting: str = field(default="fisher", validator=one_of("fisher", "samples"), metadata={
+        "doc": 'the body average\'s weights (A4); "samples": n_i / n, the ablation without synchronisation'})
 
     @property
     def head_layers(self) -> int:
@@ -109,6 +113,12 @@ def fisher_trace(model, x, y, batch_size: int, names=None) -> float:
 
 
 class FedAS(ClassifierSplit):
+    """FedAS (Yang et al. 2024): each client keeps its whole model; the received global body is
+    first aligned to the class prototypes of the client's previous model, then the model trains
+    on CE; the server averages bodies weighted by each client's Fisher-information trace (share
+    logged as ``fedas_weight/<client>``); the client's own model is evaluated. Budget:
+    ``training.local_epochs + align_epochs``."""
+
     name = "fedas"
     Params = FedASParams
 

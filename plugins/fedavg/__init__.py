@@ -27,6 +27,9 @@ def require_single_architecture(spec, method: str) -> None:
 
 
 class FedAvg(Plugin):
+    """FedAvg (McMahan et al. 2017): broadcast the global weights, local SGD, average weighted
+    by train size; each client is evaluated on the global model."""
+
     name = "fedavg"
 
     @hookimpl

@@ -34,8 +34,12 @@ from plugins.partial import PartialModel, only_training
 
 @define
 class FedBABUParams:
-    split: Optional[int] = field(default=-1)
-    finetune_epochs: int = field(default=5, validator=at_least(0))
+    split: Optional[int] = field(default=-1, metadata={
+        "doc": "layers 1..split are the body (learned by FedAvg), the rest the frozen head; -1: every "
+               "layer but the last; none: the middle (L // 2)"})
+    finetune_epochs: int = field(default=5, validator=at_least(0), metadata={
+        "doc": "epochs of fine-tuning the whole model on the client's training split before every "
+               "evaluation (the paper's main results)"})
 
 
 class FedBABU(PartialModel):

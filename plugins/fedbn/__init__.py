@@ -78,6 +78,12 @@ def no_batchnorm(key: str, arch: str) -> SpecError:
 
 
 class FedBN(PartialModel):
+    """FedBN (Li et al. 2021): FedAvg whose BatchNorm layers (affine parameters and running
+    statistics) stay on the client: never sent, averaged or counted. Needs a model with
+    BatchNorm, otherwise an error at ``model.name`` (also on ``--dry-run``): ``norm = "batch"``
+    on ``mlp``, ``lenet5``, ``cnn2``, ``cnn4``; ``resnet18``, ``mobilenet_v2``; ``vgg16`` with
+    ``batch_norm = true``. Budget: ``training.local_epochs``."""
+
     name = "fedbn"
     Params = NoParams
 

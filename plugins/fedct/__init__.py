@@ -27,10 +27,15 @@ from plugins.fedmosaic import FedMosaic
 
 @define
 class FedCTParams:
-    fixed_lambda: float = field(default=1.0, validator=[finite, at_least(0)])
-    comm_period: Optional[int] = field(default=None, validator=at_least(1))
-    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)])
-    warmup_epochs: int = field(default=0, validator=at_least(0))
+    fixed_lambda: float = field(default=1.0, validator=[finite, at_least(0)],
+                                metadata={"doc": "lambda, the fixed weight of the pseudo-label loss"})
+    comm_period: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "local steps between communications; none: training.local_epochs epochs (as FedMosaic)"})
+    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "passes over U per local epoch of co-training (as FedMosaic)"})
+    warmup_epochs: int = field(default=0, validator=at_least(0), metadata={
+        "doc": "private-only epochs before the first upload; 0 as published (set FedMosaic's value to "
+               "compare the two on the same budget)"})
 
     # What FedMosaic reads, fixed for FedCT (not spec keys).
     @property

@@ -55,12 +55,18 @@ from plugins.local import load_personal
 
 @define
 class FedMDParams:
-    transfer_epochs: int = field(default=1, validator=at_least(0))
-    private_epochs: int = field(default=1, validator=at_least(0))
-    digest_epochs: int = field(default=1, validator=at_least(0))
-    revisit_epochs: int = field(default=1, validator=at_least(0))
-    alignment_size: Optional[int] = field(default=None, validator=at_least(1))
-    distill_loss: str = field(default="l1", validator=one_of("l1", "mse"))
+    transfer_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "transfer learning, round 1: epochs on U with its labels (needs public.labelled = true)"})
+    private_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "transfer learning, round 1: then epochs on the private data"})
+    digest_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "epochs a round approaching the consensus scores on the alignment set"})
+    revisit_epochs: int = field(default=1, validator=at_least(0),
+                                metadata={"doc": "epochs a round on the private data, after digesting"})
+    alignment_size: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "size of the alignment set A_t the server draws each round; none: all of U (no indices sent)"})
+    distill_loss: str = field(default="l1", validator=one_of("l1", "mse"), metadata={
+        "doc": "digest loss on the logits: mean absolute error (the authors' code) or squared error"})
 
 
 class FedMD(Plugin):

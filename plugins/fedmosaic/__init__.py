@@ -131,18 +131,25 @@ TIE_RTOL = 1e-9  # scores this close (relative) count as tied: float rounding, n
 
 @define
 class FedMosaicParams:
-    lambda_mode: str = field(default="batch", validator=one_of("batch", "round"))
-    # None: the adaptive lambda of Alg. 1; a number: lambda fixed at it (FedCT: 1).
-    fixed_lambda: Optional[float] = field(default=None, validator=[finite, at_least(0)])
-    expertise: str = field(default="W", validator=one_of(*EXPERTISE_MODES))
-    # Local steps between communications (Alg. 1's b); None: training.local_epochs epochs.
-    comm_period: Optional[int] = field(default=None, validator=at_least(1))
-    # Passes over U per local epoch of co-training (spread over the epoch's steps).
-    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)])
-    expertise_bits: int = field(default=8, validator=between(1, 16))
-    eps: float = field(default=1e-6, validator=[finite, greater_than(0)])
-    # Epochs of private-only training in a client's first round, before its first upload.
-    warmup_epochs: int = field(default=WARMUP_EPOCHS, validator=at_least(0))
+    lambda_mode: str = field(default="batch", validator=one_of("batch", "round"), metadata={
+        "doc": "adaptive lambda per step from that step's two batch losses (Alg. 1), or once per round "
+               "from the full private set and the full pseudo-labelled U"})
+    fixed_lambda: Optional[float] = field(default=None, validator=[finite, at_least(0)], metadata={
+        "doc": "none: the adaptive lambda of Alg. 1; a number: lambda fixed at it (FedCT: 1)"})
+    expertise: str = field(default="W", validator=one_of(*EXPERTISE_MODES), metadata={
+        "doc": "vote weights: W, the client's share of training labels of the predicted class; U, "
+               "log C minus the prediction's entropy; uniform, a plain majority vote (nothing sent)"})
+    comm_period: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "local steps between communications (Alg. 1's b); none: training.local_epochs epochs"})
+    public_passes: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "passes over U per local epoch of co-training (spread over the epoch's steps)"})
+    expertise_bits: int = field(default=8, validator=between(1, 16),
+                                metadata={"doc": "bits each uploaded expertise value is quantised to"})
+    eps: float = field(default=1e-6, validator=[finite, greater_than(0)], metadata={
+        "doc": "added to every vote weight (so each stays positive) and to lambda's denominator"})
+    warmup_epochs: int = field(default=WARMUP_EPOCHS, validator=at_least(0), metadata={
+        "doc": "epochs of private-only training in a client's first round, before its first upload "
+               "(not in the paper; counted in the budget)"})
 
 
 # ---------------------------------------------------------------------------

@@ -83,11 +83,17 @@ from plugins.partial import clone_keys, only_training, probe_num_layers, spec_ar
 
 @define
 class FedPACParams:
-    lam: float = field(default=1.0, validator=[finite, at_least(0)])  # alignment weight (P3)
-    head_epochs: int = field(default=1, validator=at_least(0))  # classifier epochs
-    body_epochs: Optional[int] = field(default=None, validator=at_least(0))  # None: training.local_epochs
-    head_lr_scale: float = field(default=10.0, validator=[finite, greater_than(0)])
-    collaborate: bool = True  # classifier collaboration (P6, P7)
+    lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
+        "doc": "weight of the alignment term (P3), an MSE over samples and feature dimensions"})
+    head_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "classifier epochs a round, body fixed, first"})
+    body_epochs: Optional[int] = field(default=None, validator=at_least(0), metadata={
+        "doc": "then the feature extractor's epochs, head fixed; none: training.local_epochs"})
+    head_lr_scale: float = field(default=10.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "the classifier's step size is this times training.lr (the paper's 0.1 against 0.01)"})
+    collaborate: bool = field(default=True, metadata={
+        "doc": "classifier collaboration (P6, P7); false: the paper's ablation (every client keeps its "
+               "own head, nothing is sent for the QP)"})
 
     @property
     def head_layers(self) -> int:
@@ -180,6 +186,13 @@ class ClassifierSplit(FedPer):
 
 
 class FedPAC(ClassifierSplit):
+    """FedPAC (Xu et al. 2023): shared feature extractor (body), personal linear classifier
+    (head); a client trains its head, then its body on ``CE + lam * MSE(f(x), c_y)`` towards the
+    global class centroids; the server averages bodies, merges centroids, and gives each
+    participant a combination of the participants' heads with weights from a quadratic program
+    (its own weight logged as ``fedpac_self_weight/<client>``). Budget:
+    ``head_epochs + body_epochs``."""
+
     name = "fedpac"
     Params = FedPACParams
 

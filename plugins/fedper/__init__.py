@@ -30,7 +30,9 @@ from plugins.fedavg import require_single_architecture
 
 @define
 class FedPerParams:
-    head_layers: int = field(default=1, validator=at_least(1))
+    head_layers: int = field(default=1, validator=at_least(1), metadata={
+        "doc": "how many of the last parameterised layers are personal (the paper varies K_P from 1 to 4; "
+               "1: the classifier)"})
 
 
 def body_head_keys(ctx, arch: str, head_layers: int, spec_path: str) -> tuple[list[str], list[str]]:

@@ -70,12 +70,21 @@ from plugins.fedproto import capture_embedding
 
 @define
 class FedPHPParams:
-    lam: float = field(default=0.1, validator=[finite, between(0, 1, high_open=True)])  # transfer weight (T1)
-    transfer: str = field(default="mmd", validator=one_of("mmd", "kd"))  # R in (T1)
-    mu_max: float = field(default=0.9, validator=[finite, between(0, 1, high_open=True)])  # (T4)
-    temperature: float = field(default=4.0, validator=[finite, greater_than(0)])  # KD only (T3)
-    kernels: int = field(default=5, validator=at_least(1))  # MMD only (T2)
-    kernel_mul: float = field(default=2.0, validator=[finite, greater_than(0)])  # MMD only (T2)
+    lam: float = field(default=0.1, validator=[finite, between(0, 1, high_open=True)], metadata={
+        "doc": "weight of the transfer term (T1); 0 is FedAvg's local update"})
+    transfer: str = field(default="mmd", validator=one_of("mmd", "kd"), metadata={
+        "doc": "R in (T1): the MMD between the batch's features (the classifier's input) under w and "
+               "under the hPM, or distillation from the hPM's softened predictions"})
+    mu_max: float = field(default=0.9, validator=[finite, between(0, 1, high_open=True)], metadata={
+        "doc": "largest moving-average weight (T4): mu = mu_max * min(c / max(floor(participation * "
+               "rounds), 1), 1), c = the client's earlier rounds of taking part"})
+    temperature: float = field(default=4.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "KD only (T3): softening of the hPM's predictions (the student's are not softened)"})
+    kernels: int = field(default=5, validator=at_least(1), metadata={
+        "doc": "MMD only (T2): Gaussian kernels, at widths s * kernel_mul^(q - kernels // 2), s = the "
+               "batch's mean pairwise squared distance"})
+    kernel_mul: float = field(default=2.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "MMD only (T2): ratio between neighbouring kernel widths"})
 
 
 def mmd(a: torch.Tensor, b: torch.Tensor, kernels: int = 5, kernel_mul: float = 2.0) -> torch.Tensor:
@@ -109,6 +118,11 @@ def inheritance(visits: int, mu_max: float, participation: float, rounds: int) -
 
 
 class FedPHP(FedAvg):
+    """FedPHP (Li et al. 2021): FedAvg plus a personalised historical model (hPM) per client, the
+    moving average ``hPM <- mu * hPM + (1 - mu) * w`` of the models it trained; local training
+    minimises ``(1 - lam) * CE + lam * R(w, hPM)``; the hPM is evaluated. FedAvg's bytes.
+    Budget: ``training.local_epochs``."""
+
     name = "fedphp"
     Params = FedPHPParams
 

@@ -44,7 +44,9 @@ NO_PROTOTYPE = -1e9
 
 @define
 class FedProtoParams:
-    lam: float = field(default=1.0, validator=[finite, at_least(0)])  # lambda, Eq. 5
+    lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
+        "doc": "lambda (Eq. 5), weight of the MSE between embeddings and their class's global prototype "
+               "(the official code's default)"})
 
 
 def classifier(model: nn.Module) -> nn.Module:

@@ -31,10 +31,15 @@ def keep_received_weights(client) -> None:
 
 @define
 class FedProxParams:
-    mu: float = field(default=0.01, validator=[finite, at_least(0)])
+    mu: float = field(default=0.01, validator=[finite, at_least(0)], metadata={
+        "doc": "weight of the proximal term mu/2 ||w - w_t||^2; 0 is FedAvg. Default: the middle of the "
+               "paper's grid 0.001, 0.01, 0.1, 1"})
 
 
 class FedProx(FedAvg):
+    """FedAvg whose clients add ``mu/2 * ||w - w_t||^2`` to their loss (Li et al. 2020), w_t the
+    global model received this round."""
+
     name = "fedprox"
     Params = FedProxParams
 

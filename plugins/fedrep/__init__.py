@@ -41,10 +41,14 @@ from plugins.fedper import FedPer
 
 @define
 class FedRepParams:
-    head_layers: int = field(default=1, validator=at_least(1))
-    head_epochs: int = field(default=10, validator=at_least(0))  # tau_h
-    body_epochs: int = field(default=1, validator=at_least(0))  # tau_phi
-    average: str = field(default="samples", validator=one_of("samples", "uniform"))
+    head_layers: int = field(default=1, validator=at_least(1), metadata={
+        "doc": "the last parameterised layers that form the personal head (1: the classifier)"})
+    head_epochs: int = field(default=10, validator=at_least(0),
+                             metadata={"doc": "tau_h: head epochs a round, body frozen, first"})
+    body_epochs: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "tau_phi: then body epochs, head frozen; 0 freezes the body"})
+    average: str = field(default="samples", validator=one_of("samples", "uniform"), metadata={
+        "doc": "body average weighted by the participants' training samples, or the plain mean of Alg. 1"})
 
 
 class FedRep(FedPer):

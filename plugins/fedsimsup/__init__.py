@@ -85,15 +85,24 @@ SUPERVISOR_WIDTH = 0.4  # LeNet-5 at width 0.4: 9,722 / 62,006 = 0.157 of the in
 
 @define
 class FedSimSupParams:
-    tau_s: int = field(default=1, validator=at_least(0))  # supervisor epochs (Eq. 11)
-    tau_theta: int = field(default=1, validator=at_least(0))  # inter-learning epochs (Eq. 12)
-    C: float = field(default=40.0, validator=[finite, greater_than(0)])  # Eq. 10
-    gamma: float = field(default=3 / 7, validator=[finite, between(0, 1, low_open=True)])  # Eq. 10
-    weighting: str = field(default="similarity", validator=one_of("similarity", "data_size", "uniform"))
-    supervisor: str = "lenet5"  # every client's supervisor architecture (a model plugin)
-    supervisor_pool: list[str] = field(factory=list)  # TCL: each client draws one of these
+    tau_s: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "supervisor epochs a round, theta_i frozen (Eq. 11); training.local_epochs is not used"})
+    tau_theta: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "then inter-learning epochs, the supervisor frozen (Eq. 12)"})
+    C: float = field(default=40.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "C of beta_t = 1 if t < C T^gamma else (C T^gamma / t)^2 (Eq. 10)"})
+    gamma: float = field(default=3 / 7, validator=[finite, between(0, 1, low_open=True)],
+                         metadata={"doc": "gamma of Eq. 10"})
+    weighting: str = field(default="similarity", validator=one_of("similarity", "data_size", "uniform"),
+                           metadata={"doc": "weights of the participants' models in a non-participant's mix "
+                                            "(Eq. 7): label-proportion cosine similarity, m_j / sum m, or 1/K"})
+    supervisor: str = field(default="lenet5", metadata={
+        "doc": "every client's supervisor architecture (a model plugin)"})
+    supervisor_pool: list[str] = field(factory=list, metadata={
+        "doc": "TCL: if not empty, each client draws its supervisor's architecture from these (seeded)"})
     supervisor_arch_params: dict[str, dict[str, Any]] = field(
-        factory=lambda: {"lenet5": {"width": SUPERVISOR_WIDTH}})
+        factory=lambda: {"lenet5": {"width": SUPERVISOR_WIDTH}}, metadata={
+            "doc": "the supervisor architectures' parameters, by name (a table given replaces the default)"})
 
 
 # -- the paper's equations, as plain functions ------------------------------------------

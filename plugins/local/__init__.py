@@ -16,6 +16,9 @@ def load_personal(ctx, client):
 
 
 class Local(Plugin):
+    """Every client trains its own model from the seeded initial weights and never communicates
+    (0 bytes): the reference a personalized method has to beat."""
+
     name = "local"
 
     @hookimpl

@@ -44,8 +44,9 @@ _PROBE_SHAPES = [(1, 28, 28), (3, 32, 32), (3, 64, 64), (20,)]
 
 @define
 class SplitParams:
-    # Layers 1..split are the base; None: the middle (L // 2); negative: from the end.
-    split: Optional[int] = field(default=None)
+    split: Optional[int] = field(default=None, metadata={
+        "doc": "layers 1..split are the base, the rest the head; none: the middle (L // 2); negative: "
+               "counted from the end. Both parts non-empty (checked against the model)"})
 
 
 def resolve_split(num_layers: int, split: Optional[int]) -> int:

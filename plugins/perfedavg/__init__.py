@@ -68,11 +68,16 @@ from plugins.fedavg import FedAvg
 
 @define
 class PerFedAvgParams:
-    alpha: float = field(default=0.01, validator=[finite, at_least(0)])
-    beta: float = field(default=0.001, validator=[finite, greater_than(0)])
-    variant: str = field(default="fo", validator=one_of("fo", "hf"))
-    delta: float = field(default=0.001, validator=[finite, greater_than(0)])
-    eval_steps: int = field(default=1, validator=at_least(0))
+    alpha: float = field(default=0.01, validator=[finite, at_least(0)], metadata={
+        "doc": "adaptation (inner) step size, in training and before evaluation"})
+    beta: float = field(default=0.001, validator=[finite, greater_than(0)], metadata={
+        "doc": "meta (outer) step size, taken by the configured optimiser; training.lr is not used"})
+    variant: str = field(default="fo", validator=one_of("fo", "hf"), metadata={
+        "doc": "first order, or Hessian-free (a central-difference Hessian-vector product)"})
+    delta: float = field(default=0.001, validator=[finite, greater_than(0)],
+                         metadata={"doc": "HF's difference step"})
+    eval_steps: int = field(default=1, validator=at_least(0), metadata={
+        "doc": "adaptation steps before evaluation and for cold-start clients; 0 evaluates the meta-model"})
 
 
 def gradient(model, x, y, loss_fn):
@@ -121,6 +126,11 @@ def meta_step(model, outer, alpha: float, batch, batch2, loss_fn, hessian_batch=
 
 
 class PerFedAvg(FedAvg):
+    """Per-FedAvg (Fallah et al. 2020): MAML steps on the client (first-order or Hessian-free);
+    before evaluation, and for a cold-start client, the model adapts ``eval_steps`` steps on the
+    client's training batches. FedAvg's bytes. Budget: ``training.local_epochs`` (FO), 4/3 of it
+    (HF)."""
+
     name = "perfedavg"
     Params = PerFedAvgParams
 

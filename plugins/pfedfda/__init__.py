@@ -79,10 +79,17 @@ from plugins.partial import only_training, spec_archs
 
 @define
 class PFedFDAParams:
-    beta: str = field(default="single", validator=one_of("single", "separate", "local"))  # (G4)
-    folds: int = field(default=2, validator=at_least(2))  # (G4)
-    min_count: int = field(default=2, validator=at_least(0))  # (G2)
-    eps: float = field(default=1e-4, validator=[finite, between(0, 1, low_open=True, high_open=True)])
+    beta: str = field(default="single", validator=one_of("single", "separate", "local"), metadata={
+        "doc": "(G4) one interpolation coefficient for the means and the covariance; one each (L-BFGS-B "
+               "on [0, 1]^2); or beta = 1, local estimates only (the ablation)"})
+    folds: int = field(default=2, validator=at_least(2),
+                       metadata={"doc": "cross-validation folds for beta (G4)"})
+    min_count: int = field(default=2, validator=at_least(0), metadata={
+        "doc": "(G2) a class mean is estimated locally only from more samples than this; otherwise the "
+               "global mean is kept"})
+    eps: float = field(default=1e-4, validator=[finite, between(0, 1, low_open=True, high_open=True)], metadata={
+        "doc": "shrinkage of the covariance towards its scaled trace, ridge and prior smoothing. "
+               "specs/fedsimsup_table2.toml uses 0.1: with 1e-4 training diverged there"})
 
     @property
     def head_layers(self) -> int:
@@ -187,6 +194,12 @@ def solve_beta(z, y, glob, priors, mode: str, folds: int, min_count: int, eps: f
 
 
 class PFedFDA(ClassifierSplit):
+    """pFedFDA (McLaughlin and Su 2024): a generative classifier on the body's features (class
+    means and one shared covariance, as the last linear layer); clients train the body under the
+    head built from the global estimates, then upload their own estimates interpolated with the
+    global ones by a cross-validated beta; evaluation refits the head on the client's training
+    features. Body + means + covariance each way. Budget: ``training.local_epochs``."""
+
     name = "pfedfda"
     Params = PFedFDAParams
 

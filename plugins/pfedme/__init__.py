@@ -59,12 +59,13 @@ from attrs import define, field
 from pfl_core import hookimpl
 from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
-from pfl_core.spec import FieldError, at_least, finite, greater_than
+from pfl_core.spec import FieldError, at_least, described, finite, greater_than
 from pfl_core.training import batch_order, batch_starts, mean_training_loss, reset_optimizer
 from plugins.fedprox import proximal_term
 from plugins.fedavg import FedAvg
 
 
+@described("> 0")
 def _moves_the_global_model(_instance, attribute, value):
     if value is not None and math.isfinite(value) and value <= 0:
         raise FieldError(attribute.name, f"must be > 0, got {value!r}: with beta = {value!r} the server step "
@@ -74,10 +75,13 @@ def _moves_the_global_model(_instance, attribute, value):
 
 @define
 class PFedMeParams:
-    lam: float = field(default=15.0, validator=[finite, greater_than(0)])
-    k: int = field(default=5, validator=at_least(1))  # K inner steps per local round
-    personal_lr: float = field(default=0.09, validator=[finite, greater_than(0)])
-    beta: float = field(default=1.0, validator=[finite, _moves_the_global_model])
+    lam: float = field(default=15.0, validator=[finite, greater_than(0)],
+                       metadata={"doc": "lambda of the Moreau envelope (the paper's MNIST setting)"})
+    k: int = field(default=5, validator=at_least(1), metadata={"doc": "K, inner steps per local step"})
+    personal_lr: float = field(default=0.09, validator=[finite, greater_than(0)], metadata={
+        "doc": "step size of the inner steps (the configured optimiser at this rate)"})
+    beta: float = field(default=1.0, validator=[finite, _moves_the_global_model], metadata={
+        "doc": "server step (1 - beta) w + beta * average; 1 is plain averaging (the paper also uses 2)"})
 
 
 def moreau_step(model, w: list, x, y, *, k: int, inner, loss_fn, eta_lambda: float) -> torch.Tensor:
@@ -112,6 +116,11 @@ def server_step(previous: dict, averaged: dict, beta: float) -> dict:
 
 
 class PFedMe(FedAvg):
+    """pFedMe (Dinh et al. 2020): every local step solves the Moreau-envelope problem around the
+    local w with ``k`` inner steps, giving the personal model theta_i (evaluated); the local step
+    size is ``training.lr``; server step ``(1 - beta) w + beta * average``. FedAvg's bytes.
+    Budget: ``k * training.local_epochs``."""
+
     name = "pfedme"
     Params = PFedMeParams
 

@@ -95,7 +95,7 @@ from pfl_core import SpecError, hookimpl
 from pfl_core.context import clone_state, load_state
 from pfl_core.evaluation import score
 from pfl_core.models.layers import layer_keys
-from pfl_core.spec import FieldError, at_least, between, finite, greater_than
+from pfl_core.spec import FieldError, at_least, between, choices_text, described, finite, greater_than
 from plugins.partial import PartialModel, partial_average, probe_num_layers, spec_archs
 
 # -- the schedule -------------------------------------------------------------------------
@@ -176,6 +176,7 @@ SCHEDULES: dict[str, Callable] = {
 }
 
 
+@described(choices_text(SCHEDULES))
 def _known_schedule(_instance, attribute, value):
     if value not in SCHEDULES:
         raise FieldError(attribute.name, f"must be one of {', '.join(map(repr, SCHEDULES))}, got {value!r}")
@@ -183,13 +184,20 @@ def _known_schedule(_instance, attribute, value):
 
 @define
 class PMixFedParams:
-    schedule: str = field(default="sigmoid-adaptive", validator=_known_schedule)
+    schedule: str = field(default="sigmoid-adaptive", validator=_known_schedule, metadata={
+        "doc": "the mix factor: gamma = sigmoid(k (t/T)^2 dAcc - b) (Eq. 10); gamma fixed; or mixup "
+               "degrees drawn from Beta(beta_a, beta_a) (the paper's ablation)"})
     # Eq. 10's k and b (lost in extraction): chosen by specs/pmixfed_tuning.toml (docs/pmixfed-tuning.md).
     # k < 0 would share *more* of the global model when the local one is better: refused.
-    offset: float = field(default=1.0, validator=finite)  # b
-    slope: float = field(default=50.0, validator=[finite, at_least(0)])  # k
-    gamma: float = field(default=0.5, validator=[finite, between(0, 1, low_open=True, high_open=True)])
-    beta_a: float = field(default=1.0, validator=[finite, greater_than(0)])
+    offset: float = field(default=1.0, validator=finite, metadata={
+        "doc": "b of Eq. 10 (lost in the paper's extraction; chosen by specs/pmixfed_tuning.toml)"})
+    slope: float = field(default=50.0, validator=[finite, at_least(0)], metadata={
+        "doc": "k of Eq. 10 (chosen likewise); k < 0 would share more of the global model when the local "
+               "one is better"})
+    gamma: float = field(default=0.5, validator=[finite, between(0, 1, low_open=True, high_open=True)],
+                         metadata={"doc": 'the fixed mix factor of "dynamic-only", at broadcast and aggregation'})
+    beta_a: float = field(default=1.0, validator=[finite, greater_than(0)],
+                          metadata={"doc": 'a of Beta(a, a) in "beta"'})
 
 
 # -- the plugin ---------------------------------------------------------------------------

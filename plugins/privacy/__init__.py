@@ -91,11 +91,18 @@ def _add_epsilon(ctx, name: str, value: float) -> None:
 
 @define
 class GaussianExpertiseParams:
-    sigma: float = field(default=1.0, validator=[finite, greater_than(0)])
-    delta: float = field(default=1e-5, validator=between(0, 1, low_open=True, high_open=True))
+    sigma: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "std of the Gaussian noise added to every expertise value"})
+    delta: float = field(default=1e-5, validator=between(0, 1, low_open=True, high_open=True),
+                         metadata={"doc": "delta of the reported (eps_E, delta) guarantee"})
 
 
 class GaussianExpertise(Plugin):
+    """The Gaussian mechanism on uploaded expertise (FedMosaic's client-level privacy): each
+    client adds N(0, sigma^2) to every expertise value, clips it to its range and re-quantises;
+    logs ``eps_E``. Needs an algorithm that uploads expertise (``fedmosaic`` with expertise
+    "W" or "U")."""
+
     name = "gaussian_expertise"
     kind = ADDON
     Params = GaussianExpertiseParams
@@ -133,12 +140,18 @@ class GaussianExpertise(Plugin):
 
 @define
 class LabelMechanismParams:
-    eps_label: float = field(default=2.0, validator=[finite, greater_than(0)])
-    # Labels one private example can change (the paper's s*); None: all of U (worst case).
-    sensitivity: Optional[int] = field(default=None, validator=at_least(1))
+    eps_label: float = field(default=2.0, validator=[finite, greater_than(0)], metadata={
+        "doc": "epsilon of the randomised response for one label"})
+    sensitivity: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "labels one private example can change (the paper's s*); none: all of U (worst case). "
+               "eps_L = sensitivity * eps_label"})
 
 
 class LabelMechanism(Plugin):
+    """k-ary randomised response on the uploaded hard labels (a documented substitute for the
+    FedMosaic paper's XOR mechanism); logs ``eps_L = sensitivity * eps_label``. Refused when the
+    algorithm also uploads expertise that no ``gaussian_expertise`` add-on noises."""
+
     name = "label_mechanism"
     kind = ADDON
     Params = LabelMechanismParams
