@@ -29,7 +29,8 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                         help="add (or replace) a sweep axis: the values, comma-separated or a TOML list; repeatable")
     parser.add_argument("--no-sweep", action="store_true", help="run only the base spec, without its [sweep]")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the spec and the data partition, print the resolved spec, run nothing")
+                        help="validate the spec and the data partition, build every client model once, "
+                             "print the resolved spec; train and log nothing")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
