@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import numpy as np
@@ -105,6 +106,7 @@ class ModelBank:
                 params, params_path = spec.arch_params.get(arch, {}), f"model.arch_params.{arch}"
             plugin = registry.instantiate(registry.MODEL, arch, params, path, params_path)
             plugin.name_path = path  # shape errors at build time name the right key
+            plugin.params_path = params_path  # and a model too large to allocate its parameters
             self._plugins[arch] = plugin
         return self._plugins[arch]
 
@@ -117,7 +119,19 @@ class ModelBank:
         return load_state(module, self.initial_state(arch))
 
     def _construct(self, arch: str, path: str = "model.name") -> nn.Module:
-        return self.plugin(arch, path).build(self.input_shape, self.num_classes).to(self.device)
+        plugin = self.plugin(arch, path)
+        try:
+            return plugin.build(self.input_shape, self.num_classes).to(self.device)
+        except (MemoryError, RuntimeError) as exc:  # e.g. hidden = [1000000000]: torch cannot allocate it
+            text = " ".join(str(exc).split())
+            if not (isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "allocate" in text
+                    or "size calculation overflowed" in text):
+                raise
+            asked = re.search(r"tried to allocate ([\d.]+ ?[A-Za-z]+)", text)
+            detail = f"torch could not allocate {asked.group(1)}" if asked else text[:160] or type(exc).__name__
+            raise SpecError(getattr(plugin, "params_path", "model.params"),
+                            f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
+                            f"inputs {self.input_shape} ({detail})") from None
 
     def initial_state(self, arch: str) -> dict[str, torch.Tensor]:
         if arch not in self._initial:

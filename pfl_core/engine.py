@@ -15,7 +15,7 @@ import torch
 from . import plots, registry, tomlout
 from .context import ModelBank, RunContext
 from .data.federated import build_federated_data
-from .errors import NonFiniteError, PflError
+from .errors import NonFiniteError, PflError, SpecError
 from .evaluation import evaluate_clients
 from .executors import make_executor
 from .payload import nbytes
@@ -70,7 +70,20 @@ def resolve(raw: dict) -> Resolved:
     as_dict.pop("sweep", None)
     # Computed, never read back: what every participating client trains (pfl_core/budget.py).
     as_dict["budget"] = algorithm.local_work(spec).table(spec.experiment.rounds)
+    check_something_trains(spec, as_dict["budget"])
     return Resolved(spec, plugins, as_dict)
+
+
+def check_something_trains(spec: Spec, budget: dict) -> None:
+    """``training.local_epochs = 0`` for a method whose declared local work is then zero (FedAvg,
+    Local, ...) would report the untrained model's accuracy as a result. Methods with their
+    own epoch counts (FedRep, FedSimSup, FedAlt's personal epochs ...) declare them, so they
+    still train and pass; a budget the method cannot declare (nan) is not judged."""
+    total = budget["private_epochs"] + budget["public_epochs"]
+    if spec.training.local_epochs == 0 and total == 0:
+        raise SpecError("training.local_epochs",
+                        f"is 0, and {spec.algorithm.name} has no other local training, so it trains nothing and "
+                        "would report the untrained model's accuracy; set it >= 1")
 
 
 def pick_device(name: str) -> torch.device:

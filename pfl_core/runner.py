@@ -12,7 +12,7 @@ import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import SpecError
-from .spec import POINTS, apply_overrides, expand_sweep, load_toml, set_dotted
+from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
 from .tracking import flatten, make_tracker
 
@@ -60,16 +60,50 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
     """Every run the spec describes (one, or one per sweep point), validated before any runs."""
     raw = apply_overrides(raw, overrides, sweeps, no_sweep, notes)
     base = {k: v for k, v in raw.items() if k != "sweep"}
+    expanded = expand_sweep(raw)  # validates the [sweep] table's shape
+    if _sweeps_algorithm(raw.get("sweep", {})):
+        check_base_algorithm(base)
     points = []
-    for settings, point in expand_sweep(raw):
+    for settings, point in expanded:
         try:
             points.append(Point(settings, resolve(point), point, base))
         except SpecError as exc:
             if settings:  # say which sweep point broke
-                where = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+                where = ", ".join(f"{k}={_short(v)}" for k, v in settings.items())
                 raise SpecError(exc.path, f"{exc.message} (sweep point {where})") from None
             raise
     return points
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _sweeps_algorithm(sweep: dict) -> bool:
+    """Whether the sweep sets the algorithm (its name, its whole table or its params), so the
+    points alone never validate the spec's own [algorithm] table."""
+    keys = [k for k in sweep if k != POINTS] + [k for entry in sweep.get(POINTS, []) for k in entry]
+    return any(k == "algorithm" or k.startswith("algorithm.") for k in keys)
+
+
+def check_base_algorithm(base: dict) -> None:
+    """The spec's own [algorithm] table is what --no-sweep (and --set on the swept key) runs:
+    a sweep over the algorithm must not hide a typo or a bad name in it."""
+    from . import registry
+
+    table = base.get("algorithm")
+    if table is None:
+        return
+    note = " (in the spec's own [algorithm] table, which the sweep replaces)"
+    try:
+        if not isinstance(table, dict) or "name" in table:
+            ref = structure(table, PluginRef, "algorithm")
+            registry.instantiate(registry.ALGORITHM, ref.name, ref.params, "algorithm.name", "algorithm.params")
+        else:  # the sweep gives every point its name: check the table's keys and types only
+            structure({"name": "", **table}, PluginRef, "algorithm")
+    except SpecError as exc:
+        raise SpecError(exc.path, exc.message + note) from None
 
 
 def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ type is always reported with its full TOML key path.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import json
@@ -77,6 +78,10 @@ def greater_than(bound):
     return _check(lambda v: v > bound, f"> {bound}")
 
 
+def at_most(bound):
+    return _check(lambda v: v <= bound, f"<= {bound}")
+
+
 def between(low, high, *, low_open=False, high_open=False):
     lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
 
@@ -114,6 +119,23 @@ def one_of(*choices):
 
 
 # ---------------------------------------------------------------------------
+# Limits (docs/spec-reference.md, "Limits"): what no experiment needs and what would exhaust
+# memory or never finish is refused at its key before anything is allocated.
+
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # TOML's integers are 64-bit
+MAX_CLIENTS = 1_000_000  # partition.num_clients
+MAX_SWEEP_POINTS = 1000  # points of a sweep's cartesian product
+MAX_NESTING = 32  # levels of arrays and tables in a value
+MAX_SPEC_BYTES = 10 * 2**20  # a spec file
+
+
+def describe_int(value: int) -> str:
+    """An integer for a message: itself, or its number of digits when it is very long."""
+    text = str(value)
+    return text if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+# ---------------------------------------------------------------------------
 # Spec sections
 
 
@@ -126,15 +148,20 @@ def _valid_seeds(_instance, attribute, value):
     negative = [s for s in value if s < 0]
     if negative:
         raise FieldError(attribute.name, f"seeds must be >= 0, got {negative[0]}")
-    repeated = sorted({s for s in value if value.count(s) > 1})
+    repeated = _repeated(value)
     if repeated:
         raise FieldError(attribute.name, f"lists seed {repeated[0]} more than once; each seed must be distinct")
+
+
+def _repeated(values) -> list:
+    """The values listed more than once, sorted (linear: 100000 seeds are not a hang)."""
+    return sorted(v for v, n in collections.Counter(values).items() if n > 1)
 
 
 def _distinct(what):
     @described("distinct")
     def validator(_instance, attribute, value):
-        repeated = sorted({v for v in value if value.count(v) > 1})
+        repeated = _repeated(value)
         if repeated:
             raise FieldError(attribute.name, f"lists {repeated[0]!r} more than once")
 
@@ -177,7 +204,7 @@ class DataSection:
 
 @define
 class PartitionSection:
-    num_clients: int = field(validator=at_least(1))
+    num_clients: int = field(validator=[at_least(1), at_most(MAX_CLIENTS)])
     scheme: str = "iid"
     params: dict[str, Any] = field(factory=dict)
     # Each client must receive at least this many samples (before its train/val/test split).
@@ -324,13 +351,21 @@ def _strict(kind, accept, description):
     return structure
 
 
+def _in_toml_range(value):
+    """TOML integers are 64-bit; Python's reader accepts any length (a 400-digit epoch count
+    overflowed later, deep in the run)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        raise TypeError(f"expected a 64-bit integer (TOML's range, -2**63 to 2**63 - 1), got {describe_int(value)}")
+    return value
+
+
 def make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True)
     not_bool = lambda v: not isinstance(v, bool)  # noqa: E731
-    conv.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not_bool(v), "an integer"))
-    conv.register_structure_hook(
-        float, _strict(float, lambda v: isinstance(v, (int, float)) and not_bool(v), "a number")
-    )
+    is_int = _strict(int, lambda v: isinstance(v, int) and not_bool(v), "an integer")
+    is_number = _strict(float, lambda v: isinstance(v, (int, float)) and not_bool(v), "a number")
+    conv.register_structure_hook(int, lambda v, t: is_int(_in_toml_range(v), t))
+    conv.register_structure_hook(float, lambda v, t: is_number(_in_toml_range(v), t))
     conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str), "a string"))
     conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool), "true or false"))
     conv.register_structure_hook(Any, lambda v, _t: v)
@@ -415,19 +450,77 @@ def load_toml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise SpecError("", f"spec file not found: {path}")
+    if path.is_dir():
+        raise SpecError("", f"spec path {path} is a directory, not a TOML file")
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            data = fh.read(MAX_SPEC_BYTES + 1)  # never all of /dev/zero
+    except OSError as exc:
+        raise SpecError("", f"cannot read spec file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError("", f"spec file {path} is larger than {MAX_SPEC_BYTES // 2**20} MiB; is it a spec?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SpecError("", f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+                            "TOML files are UTF-8: save it as UTF-8") from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError("", f"{path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise _too_deep_to_read(sys.exc_info()[2], f"in {path}") from None
+    check_nesting(raw)
+    return raw
 
 
-def parse_value(text: str) -> Any:
-    """A --set value: TOML syntax (3, 0.1, true, "x", [1, 2]); a bare word is a string."""
+def _too_deep_to_read(tb, where: str) -> SpecError:
+    """The TOML reader recursed out of stack on a deeply nested value: name the key it was
+    reading (the outermost key-value pair on the stack of ``tomllib``'s own parser) where
+    the stack shows it, else just say so."""
+    header, key = (), ()
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "key_value_rule" and not header:
+            header = tuple(frame.f_locals.get("header") or ())
+        if frame.f_code.co_name == "parse_key_value_pair" and not key:
+            key = tuple(frame.f_locals.get("key") or ())
+        tb = tb.tb_next
+    path = ".".join(str(part) for part in header + key) if key else ""
+    return SpecError(path, f"a value {where} is nested too deeply to read; arrays and tables in a spec may "
+                           f"nest at most {MAX_NESTING} levels")
+
+
+def check_nesting(value: Any, path: str = "") -> None:
+    """Refuse arrays and tables nested more than MAX_NESTING levels (counted from the top of
+    the spec, or of a --set value), naming the key the deep value is under. Iterative: the
+    check itself never runs out of stack, and later steps (copies, output) then cannot."""
+    stack = [(value, [path] if path else [], 0)]
+    while stack:
+        node, parts, depth = stack.pop()
+        if depth > MAX_NESTING:
+            keys = list(itertools.takewhile(lambda p: not p.startswith("["), parts))[:4]
+            raise SpecError(join_path(keys), f"is nested more than {MAX_NESTING} levels deep; arrays and "
+                                             f"tables in a spec may nest at most {MAX_NESTING} levels")
+        if isinstance(node, dict):
+            stack.extend((v, parts + [str(k)], depth + 1) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, parts + [f"[{i}]"], depth + 1) for i, v in enumerate(node))
+
+
+def parse_value(text: str, key: str = "--set") -> Any:
+    """A --set value: TOML syntax (3, 0.1, true, "x", [1, 2]); a bare word is a string.
+    ``key`` is the option's dotted key, named when the value is nested too deeply."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise SpecError(key, f"the value is nested too deeply to read; arrays and tables in a spec may nest at "
+                             f"most {MAX_NESTING} levels") from None
+    check_nesting(value, key)
+    return value
 
 
 def split_key(dotted: str) -> list[str]:
@@ -503,12 +596,12 @@ def apply_overrides(raw: dict, overrides: list[str], sweeps: list[str] = (), no_
                 sweep.pop(axis)
                 if notes is not None:
                     notes.append(f"--set {key} replaces the spec's sweep over {axis}")
-        set_dotted(raw, key, parse_value(text))
+        set_dotted(raw, key, parse_value(text, key))
     for item in sweeps:
         key, text = _split_override(item, "--sweep")
-        value = parse_value(text)
+        value = parse_value(text, key)
         if not isinstance(value, list):
-            value = [parse_value(v.strip()) for v in text.split(",")]
+            value = [parse_value(v.strip(), key) for v in text.split(",")]
         if not value or any(v == "" for v in value):
             raise SpecError(f"--sweep {key}", f"expected key=v1,v2,... or key=[v1, v2], got {item!r}")
         sweep = raw.setdefault("sweep", {})
@@ -520,9 +613,9 @@ def apply_overrides(raw: dict, overrides: list[str], sweeps: list[str] = (), no_
 
 def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
     """The raw spec for each point of the sweep's cartesian product, with its settings."""
-    sweep = raw.get("sweep") or {}
-    if not isinstance(sweep, dict):
-        raise SpecError("sweep", "expected a table of dotted.key = [values]")
+    sweep = raw.get("sweep", {})
+    if not isinstance(sweep, dict):  # `sweep = []` is not "no sweep"
+        raise SpecError("sweep", f"expected a table of dotted.key = [values], got {_type_name(sweep)} {sweep!r:.60}")
     for key, values in sweep.items():
         if isinstance(values, dict):
             raise SpecError(f"sweep.{key}", "a sweep axis is one quoted dotted key with a list of values, e.g. "
@@ -533,6 +626,11 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
         if not isinstance(entry, dict) or not entry:
             raise SpecError(f"sweep.{POINTS}[{i}]", "expected a table of dotted.key = value overrides, e.g. "
                                                     '{ algorithm = { name = "local" }, "training.local_epochs" = 3 }')
+    sizes = [len(values) for values in sweep.values()]
+    if math.prod(sizes) > MAX_SWEEP_POINTS:
+        raise SpecError("sweep", f"expands to {math.prod(sizes)} points ({' x '.join(map(str, sizes))} values), "
+                                 f"above the limit of {MAX_SWEEP_POINTS} sweep points; split it over several specs or "
+                                 "narrow it with --set/--sweep")
     base = {k: v for k, v in raw.items() if k != "sweep"}
     keys = list(sweep)
     points = []

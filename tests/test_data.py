@@ -183,7 +183,7 @@ def test_npz_without_classes_or_test(tmp_path):
 def test_npz_errors(tmp_path):
     with pytest.raises(DataError) as err:
         dataset("npz", {"path": str(tmp_path / "nope.npz")}).load()
-    assert str(err.value) == f"npz file not found: {tmp_path / 'nope.npz'} (data.params.path)"
+    assert str(err.value) == f"data.params.path: npz file not found: {tmp_path / 'nope.npz'}"
     with pytest.raises(SpecError) as err:
         dataset("npz", {})
     # pfl_core.spec currently reports a missing key as "<path>.<key>.<key>" (reported

@@ -59,6 +59,8 @@ class RawDataset:
             x, y = np.asarray(x), np.asarray(y)
             if x.ndim < 2:
                 fail(f"x_{split} must have a sample axis and at least one more, got shape {x.shape}")
+            if 0 in x.shape[1:]:
+                fail(f"x_{split} has empty samples (shape {x.shape}): every sample needs at least one value")
             if x.dtype == np.uint8:
                 if x.ndim not in (3, 4):
                     fail(f"uint8 x_{split} must be images (N,H,W) or (N,H,W,C), got shape {x.shape}")
@@ -74,8 +76,17 @@ class RawDataset:
                 fail(f"y_{split} must hold integer class indices, got dtype {y.dtype}")
             if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
                 fail(f"y_{split} has labels in [{y.min()}, {y.max()}], outside [0, {self.num_classes})")
-            if d is not None and (np.asarray(d).shape != (len(x),)):
-                fail(f"domain_{split} must be one domain index per sample, got shape {np.shape(d)}")
+            if d is not None:
+                d = np.asarray(d)
+                if d.shape != (len(x),):
+                    fail(f"domain_{split} must be one domain index per sample, got shape {d.shape}")
+                if not np.issubdtype(d.dtype, np.integer):
+                    fail(f"domain_{split} must hold integer domain indices, got dtype {d.dtype}")
+                if len(d) and d.min() < 0:
+                    fail(f"domain_{split} has domain index {d.min()}; domain indices must be >= 0")
+                if len(d) and self.domain_names is not None and d.max() >= len(self.domain_names):
+                    fail(f"domain_{split} has domain index {d.max()} but there are {len(self.domain_names)} "
+                         "domain names")
         if len(self.x_train) == 0:
             fail("the training split is empty")
         has_train_dom = self.domain_train is not None

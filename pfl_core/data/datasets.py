@@ -10,11 +10,15 @@ from pathlib import Path
 import numpy as np
 from attrs import define, field
 
-from ..errors import DataError
+from ..errors import DataError, SpecError
 from ..spec import at_least, finite, one_of
 from .base import DatasetPlugin, RawDataset
 
 __all__ = ["Synthetic", "Npz", "MNIST", "FashionMNIST", "CIFAR10", "CIFAR100", "EMNIST"]
+
+# Classes a dataset may have (docs/spec-reference.md, "Limits"): an npz file whose one stray
+# label is 10**6 would otherwise give every model a million outputs.
+MAX_CLASSES = 100_000
 
 
 # ---------------------------------------------------------------------------
@@ -61,7 +65,33 @@ class Synthetic(DatasetPlugin):
     name = "synthetic"
     Params = SyntheticParams
 
+    # Sizes checked before generating (docs/spec-reference.md, "Limits"): the features of all
+    # devices, one device's labelling model (dim x classes) and the devices generated one by one.
+    MAX_FEATURE_VALUES = 250_000_000  # num_devices * samples_per_device * dim: 1 GB of float32
+    MAX_MODEL_VALUES = 10_000_000  # dim * num_classes
+    MAX_DEVICES = 100_000
+
+    def check_sizes(self) -> None:
+        p = self.params
+
+        def refuse(key, message):
+            raise SpecError(f"{self.spec_path}.params.{key}", message)
+
+        if p.num_devices > self.MAX_DEVICES:
+            refuse("num_devices", f"{p.num_devices} devices is above the limit of {self.MAX_DEVICES}")
+        sizes = {"num_devices": p.num_devices, "samples_per_device": p.samples_per_device, "dim": p.dim}
+        values = p.num_devices * p.samples_per_device * p.dim
+        if values > self.MAX_FEATURE_VALUES:
+            refuse(max(sizes, key=sizes.get), f"num_devices x samples_per_device x dim = {p.num_devices} x "
+                   f"{p.samples_per_device} x {p.dim} = {values} feature values, above the limit of "
+                   f"{self.MAX_FEATURE_VALUES} (1 GB of float32)")
+        if p.dim * p.num_classes > self.MAX_MODEL_VALUES:
+            refuse("dim" if p.dim > p.num_classes else "num_classes",
+                   f"dim x num_classes = {p.dim} x {p.num_classes} = {p.dim * p.num_classes} weights per device, "
+                   f"above the limit of {self.MAX_MODEL_VALUES}")
+
     def load(self) -> RawDataset:
+        self.check_sizes()
         p = self.params
         rng = np.random.default_rng(p.seed)
         n, dim, c = p.samples_per_device, p.dim, p.num_classes
@@ -118,28 +148,56 @@ class Npz(DatasetPlugin):
 
     def load(self) -> RawDataset:
         path = Path(os.path.expanduser(self.params.path))
+
+        def fail(message):  # every problem with the file names the key that chose it
+            raise DataError(f"data.params.path: {message}")
+
         if not path.is_file():
-            raise DataError(f"npz file not found: {path} (data.params.path)")
+            fail(f"npz file not found: {path}")
         key = self.params.domain_key
         try:
-            with np.load(path, allow_pickle=False) as f:
-                arrays = {name: f[name] for name in f.files}
+            loaded = np.load(path, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                fail(f"{path} is a single .npy array, not an .npz archive of named arrays; write one with "
+                     "numpy.savez(path, x_train=..., y_train=...)")
+            with loaded as f:
+                members = list(f.files)
+                # a member that is not a .npy file reads as bytes
+                arrays = {name: value for name in members if isinstance(value := f[name], np.ndarray)}
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DataError(f"cannot read npz file {path}: {first} (data.params.path)") from None
+            fail(f"cannot read npz file {path}: {first}")
+        if not arrays:
+            fail(f"npz file {path} holds no .npy arrays (members: {', '.join(sorted(members)) or 'none'}); write "
+                 "it with numpy.savez(path, x_train=..., y_train=...)")
         for required in ("x_train", "y_train"):
             if required not in arrays:
-                raise DataError(
-                    f"npz file {path} has no '{required}' array (keys: {', '.join(sorted(arrays))})"
-                )
+                fail(f"npz file {path} has no '{required}' array (keys: {', '.join(sorted(arrays))})")
+        source = f"data.params.path: npz file {path}"
+        y_all = {name: arrays[name] for name in ("y_train", "y_test") if name in arrays}
+        for name, y in y_all.items():
+            if not np.issubdtype(y.dtype, np.integer):
+                fail(f"npz file {path}: {name} must hold integer class indices, got dtype {y.dtype}")
         classes = arrays.get("classes")
-        y_all = [arrays["y_train"]] + ([arrays["y_test"]] if "y_test" in arrays else [])
+        if classes is not None and classes.ndim != 1:
+            fail(f"npz file {path}: 'classes' must be a list (1-d array) of class names, got an array of shape "
+                 f"{classes.shape}")
         if classes is not None:
             num_classes = len(classes)
         else:
-            maxes = [int(y.max()) for y in y_all if y.size]
-            num_classes = max(maxes) + 1 if maxes else 1
+            maxes = {name: int(y.max()) for name, y in y_all.items() if y.size}
+            num_classes = max(maxes.values()) + 1 if maxes else 1
+            if num_classes > MAX_CLASSES:
+                name = max(maxes, key=maxes.get)
+                fail(f"npz file {path}: {name} has label {maxes[name]}, which makes {num_classes} classes (max label "
+                     f"+ 1; there is no 'classes' array), above the limit of {MAX_CLASSES}; number the classes "
+                     "0..C-1")
+        if num_classes > MAX_CLASSES:
+            fail(f"npz file {path}: 'classes' names {num_classes} classes, above the limit of {MAX_CLASSES}")
         domain_names = arrays.get(f"{key}s")
+        if domain_names is not None and domain_names.ndim != 1:
+            fail(f"npz file {path}: '{key}s' must be a list (1-d array) of domain names, got an array of shape "
+                 f"{domain_names.shape}")
         raw = RawDataset(
             x_train=arrays["x_train"],
             y_train=arrays["y_train"],
@@ -151,7 +209,7 @@ class Npz(DatasetPlugin):
             class_names=[str(c) for c in classes] if classes is not None else None,
             domain_names=[str(d) for d in domain_names] if domain_names is not None else None,
         )
-        return raw.validate(f"npz file {path}")
+        return raw.validate(source)
 
 
 # ---------------------------------------------------------------------------

@@ -392,6 +392,12 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
 
     num_clients = spec.partition.num_clients
     min_samples = spec.partition.min_samples
+    if num_clients > len(remaining):  # before a partitioner allocates per client
+        raise SpecError(
+            "partition.num_clients",
+            f"{num_clients} clients but only {len(remaining)} samples to partition (after data.subsample and the "
+            f"public set): every client needs at least partition.min_samples = {min_samples}; use fewer clients",
+        )
     parts = partitioner.split(
         pool.labels[remaining],
         None if pool.domains is None else pool.domains[remaining],
