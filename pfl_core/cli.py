@@ -1,4 +1,5 @@
-"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins`` lists plugins; ``pfl docs``
+"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins [NAME]`` lists plugins (or
+documents one); ``pfl docs``
 generates the built-in plugins' parameter reference.
 
 Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
@@ -67,8 +68,11 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     return 1 if errors else 0
 
 
-def plugins_main() -> int:
+def plugins_main(name: str | None = None) -> int:
     from . import registry
+
+    if name is not None:
+        return plugin_detail(name)
 
     rows = []
     for name, entry in sorted(registry.discovered().items()):
@@ -88,6 +92,64 @@ def plugins_main() -> int:
     for row in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row[:4], widths)) + "  " + row[4])
     return 0
+
+
+def plugin_detail(name: str) -> int:
+    """``pfl plugins NAME``: the docstring, the parameters (type, default, constraint, meaning;
+    the same text ``pfl docs`` renders) and the hooks of one plugin."""
+    import inspect
+    import textwrap
+
+    from . import docgen, registry
+    from .errors import did_you_mean
+
+    found = registry.discovered()
+    if name not in found:
+        print(f"pfl plugins: error: unknown plugin '{name}'{did_you_mean(name, found)}; "
+              f"'pfl plugins' lists them all", file=sys.stderr)
+        return EXIT_USAGE
+    entry = found[name]
+    cls = registry.plugin_class(name)  # a broken plugin: PflError, one line
+    prefix = {kind: key for kind, _, key in docgen.SECTIONS}.get(cls.kind, f"{cls.kind}.params")
+    aliases = sorted(n for n in found if n != name and _same_class(registry, n, cls))
+    print(f"{name}  ({cls.kind}, {cls.__module__}:{cls.__qualname__}, package {entry.distribution} "
+          f"{entry.version})")
+    if aliases:
+        print(f"also registered as: {', '.join(aliases)}")
+    doc = cls.__dict__.get("__doc__") or sys.modules[cls.__module__].__doc__ or ""
+    if doc.strip():
+        print()
+        print(textwrap.indent(inspect.cleandoc(doc), "  "))
+    params = docgen.param_docs(cls, prefix)
+    print()
+    if not params:
+        print("parameters: none")
+    else:
+        print(f"parameters ({prefix}):")
+        for p in params:
+            default = p.default.replace("`", "")
+            print(f"  {p.key.rsplit('.', 1)[-1]}: {p.type} = {default}"
+                  + (f"  [{docgen.markdown_text(p.constraint).replace('`', '')}]" if p.constraint else ""))
+            if p.doc:
+                print(textwrap.fill(docgen.markdown_text(p.doc).replace("`", ""), 92,
+                                    initial_indent="      ", subsequent_indent="      "))
+    hooks = registry.implemented_hooks(cls)
+    provides = {"dataset": "load", "model": "build", "partitioner": "split"}.get(cls.kind)
+    print()
+    if hooks:
+        print(f"hooks: {', '.join(hooks)}")
+    elif provides:
+        print(f"hooks: none ({cls.kind} plugins implement {provides}())")
+    else:
+        print("hooks: none")
+    return 0
+
+
+def _same_class(registry, name: str, cls: type) -> bool:
+    try:
+        return registry.plugin_class(name) is cls
+    except PflError:
+        return False
 
 
 def docs_main(write: str | None, check: str | None) -> int:
@@ -112,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
     parser.add_argument("--version", action="version", version=f"pfl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("plugins", help="list installed plugins, their versions and hooks")
+    plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks; "
+                                             "with NAME, one plugin's documentation")
+    plugins.add_argument("name", nargs="?", metavar="NAME",
+                         help="show this plugin's docstring, parameters (type, default, constraint) and hooks")
     sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
     docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
                                        "write it into a file's generated region")
@@ -128,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "plugins":
-            return plugins_main()
+            return plugins_main(args.name)
         if args.command == "docs":
             return docs_main(args.write, args.check)
     except BrokenPipeError:  # `pfl plugins | head`

@@ -209,3 +209,27 @@ def test_set_on_a_swept_key_replaces_the_axis_and_says_so(tmp_path, capsys):
 def test_malformed_sweep_options_are_one_line(tmp_path, capsys, args, key):
     code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), *args, "--dry-run")
     assert code == 2 and key in one_line_error(err)
+
+
+def test_pfl_plugins_name_shows_docstring_parameters_and_hooks(capsys):
+    assert main(["plugins", "fedprox"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fedprox  (algorithm, plugins.fedprox:FedProx")
+    assert "proximal" in out  # the docstring
+    assert "parameters (algorithm.params):" in out
+    assert "  mu: float = 0.01  [finite, >= 0]" in out  # type, default, validation (docgen's text)
+    hooks = next(line for line in out.splitlines() if line.startswith("hooks: "))
+    assert "local_objective" in hooks and "server_aggregate" in hooks
+    assert main(["plugins", "dirichlet"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha: float = 0.5  [finite, > 0]" in out and "hooks: none (partitioner plugins implement split())" in out
+    assert main(["plugins", "perfed_ckt"]) == 0
+    assert "also registered as: comet" in capsys.readouterr().out
+
+
+def test_pfl_plugins_unknown_name_is_one_line_with_did_you_mean_exit_2(capsys):
+    assert main(["plugins", "fedavgg"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = one_line_error(err)
+    assert "unknown plugin 'fedavgg'" in line and "did you mean 'fedavg'" in line
