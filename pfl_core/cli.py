@@ -34,6 +34,10 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                              "print the resolved spec; train and log nothing")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="also write the results into DIR (new): comparison.csv, differences.csv, per-client "
+                             "CSVs and the spec as run; with or without tracking")
+    parser.add_argument("--overwrite", action="store_true", help="let --out replace the results in an existing DIR")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
     return parser
@@ -49,7 +53,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
 
         results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
                                 no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
-                                no_sweep=args.no_sweep)
+                                no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite)
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

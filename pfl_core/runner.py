@@ -11,10 +11,10 @@ from typing import Any
 import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
-from .errors import SpecError
+from .errors import PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .tracking import flatten, make_tracker
+from .tracking import begin_study, flatten, make_tracker, studied
 
 
 @attrs.define
@@ -50,6 +50,7 @@ class PointResult:
     run_id: str | None = None
     resolved_algorithm: str = ""
     group: str = ""  # the non-algorithm sweep settings it shares with its references
+    seeded: bool = False  # experiment.seeds: one child run per seed
 
     def values(self, metric: str) -> list[float]:
         return [r.final.get(metric, math.nan) for r in self.runs]
@@ -203,43 +204,99 @@ def check_compare_to(points: list[Point], names: list[str]) -> None:
         raise SpecError("experiment.compare_to", f"names no run of this spec: {wanted!r}; runs: {', '.join(names)}")
 
 
+def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The study parent run's experiment, params (what every sweep point shares) and tags."""
+    spec = points[0].resolved.spec
+    flat = [flatten(p.resolved.as_dict) for p in points]
+    shared = {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
+    swept = list(dict.fromkeys(k for p in points for k in p.settings))
+    tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
+    return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
+
+
+@studied  # one MLflow study per call (pfl_core/tracking.py)
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
-                  no_sweep: bool = False) -> list[PointResult]:
+                  no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False) -> list[PointResult]:
+    """Run every point of the spec. ``out_dir``: also write the results there
+    (:mod:`pfl_core.results`), after the spec validated; a failure part-way still writes what
+    finished (and an ``INCOMPLETE`` file) before it propagates."""
+    from .results import ResultsDir, check_target, dumps_spec
+
     out = out or sys.stdout
     if no_tracking:
         overrides = [*overrides, "tracking.enabled=false"]
     notes: list[str] = []
-    points = resolve_points(load_toml(path), overrides, sweeps, no_sweep, notes)
+    raw = apply_overrides(load_toml(path), overrides, sweeps, no_sweep, notes)
+    points = resolve_points(raw, [], notes=notes)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     names = run_names(points)
     check_compare_to(points, names)
     references = reference_points(points)
     if dry_run:
+        if out_dir is not None:
+            check_target(out_dir, overwrite)  # said now, though a dry run writes nothing
         dry_run_report(points, out)
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
+    # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
+    top_level = len(references) + sum(not any(same_run(p, r) for _, r in references) for p in points)
+    begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
+                tracking_uri, *study_params(points), parent=top_level > 1)
+    compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
+    results_dir = None
+    if out_dir is not None:  # the spec validated: now the directory may be created
+        check_target(out_dir, overwrite)
+        results_dir = ResultsDir(out_dir, overwrite)
+        try:
+            results_dir.start(dumps_spec(raw))
+            for label, ref in references:
+                results_dir.write_point(label, ref.resolved.toml())
+            for point, name in zip(points, names):
+                results_dir.write_point(name, point.resolved.toml())
+        except OSError as exc:
+            raise PflError(f"--out {out_dir}: cannot write: {exc.strerror or exc}") from None
 
     ref_results: list[PointResult] = []
-    for label, ref in references:
-        ref_results.append(run_point(ref, label, tracking_uri, quiet, out))
-        print_point(ref_results[-1], out)
-    results, reused_refs = [], set()
-    for point, name in zip(points, names):
-        reused = next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
-        if reused is not None:  # this sweep point is one of the reference runs: not run twice
-            reused_refs.add(reused)
-            results.append(attrs.evolve(ref_results[reused], name=name))
-        else:
-            results.append(run_point(point, name, tracking_uri, quiet, out))
-            print_point(results[-1], out)
-    shown = [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
-    if ref_results:
-        log_gains(points[0], shown, ref_results, tracking_uri)
-    if len(shown) > 1:
-        print_comparison(shown, points[0].resolved.spec.experiment.compare_to or names[0], out)
+    results: list[PointResult] = []
+    partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
+    reused_refs: set[int] = set()
+    shown: list[PointResult] = []
+    try:
+        for label, ref in references:
+            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial))
+            print_point(ref_results[-1], out)
+        for point, name in zip(points, names):
+            reused = next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
+            if reused is not None:  # this sweep point is one of the reference runs: not run twice
+                reused_refs.add(reused)
+                results.append(attrs.evolve(ref_results[reused], name=name))
+            else:
+                results.append(run_point(point, name, tracking_uri, quiet, out, partial))
+                print_point(results[-1], out)
+        shown = [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
+        if ref_results:
+            log_gains(points[0], shown, ref_results, tracking_uri)
+        if len(shown) > 1:
+            print_comparison(shown, compare_to, out)
+    except BaseException as exc:
+        if results_dir is not None:
+            done = shown or [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs), *partial]
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if str(exc) else type(exc).__name__
+            try:
+                results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
+                                            f"{len(done)} run(s) that finished")
+                results_dir.write_results(done, compare_to)
+                print(f"partial results (the {len(done)} run(s) that finished) written to {out_dir}",
+                      file=sys.stderr)
+            except Exception as write_error:  # never hide the failure that stopped the runs
+                print(f"could not write the partial results to {out_dir}: {write_error}", file=sys.stderr)
+        raise
+    if results_dir is not None:
+        results_dir.write_results(shown, compare_to)
+        print(f"results written to {out_dir}", file=out)
     return shown
 
 
@@ -282,7 +339,8 @@ def dry_run_report(points: list[Point], out) -> None:
               f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}\n", file=out)
 
 
-def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out) -> PointResult:
+def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out,
+              partial: list | None = None) -> PointResult:
     """Run one sweep point: a single run, or one child run per seed under a parent run that
     holds the mean, std and 95% interval of every final metric."""
     spec = point.resolved.spec
@@ -309,9 +367,11 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     finally:
         # What the finished seeds measured is logged even when a later seed fails.
         result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id,
-                             spec.algorithm.name, group)
+                             spec.algorithm.name, group, seeded=True)
         log_seed_summary(parent, result)
         parent.end(status)
+        if status == "FAILED" and runs and partial is not None:
+            partial.append(result)
     return result
 
 
