@@ -249,6 +249,7 @@ class RunContext:
         self.comm_up = 0  # cumulative bytes, counted by the engine
         self.comm_down = 0
         self.tracker = None  # set by the engine; plugins log artifacts through it
+        self.resolved_values: dict[str, Any] = {}  # ctx.resolved_value: what plugins decided at run time
 
         self.work_private_epochs = 0.0  # summed over clients: epochs over their private data
         self.work_public_epochs = 0.0
@@ -297,6 +298,16 @@ class RunContext:
 
     def seed_for(self, purpose: str, client_id: int = seeding.SERVER) -> int:
         return seeding.derive_seed(self.spec.experiment.seed, purpose, self.round, client_id)
+
+    def resolved_value(self, name: str, value: Any) -> None:
+        """A setting a plugin resolved at run time (the layer index a ``split = none`` came to,
+        the number of clusters an automatic threshold formed): logged once as the run's param
+        ``resolved.<name>`` beside the spec's own params."""
+        if name in self.resolved_values and self.resolved_values[name] == value:
+            return
+        self.resolved_values[name] = value
+        if self.tracker is not None and hasattr(self.tracker, "log_param"):
+            self.tracker.log_param(f"resolved.{name}", value)
 
     def log(self, metrics: dict[str, float] | None = None, **more: float) -> None:
         """Extra metrics for this round (logged with the round's evaluation metrics).

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextvars
+import csv
+import functools
 import io
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import PflError
@@ -31,6 +39,176 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+STUDY_TAG = "pfl.study"
+TRACKING_URI_TAG = "pfl.tracking_uri"
+NOTE_TAG = "mlflow.note.content"
+GIT_TAGS = ("mlflow.source.git.commit", "mlflow.source.git.branch", "mlflow.source.git.repoURL")
+# The tag MLflow 3's UI reads to decide what an experiment holds (its sidebar's "Model training"
+# against "GenAI"); the UI's own values: custom_model_development, genai_development.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
+
+@dataclass
+class Study:
+    """One invocation of ``pfl-run``: an id every run it logs is tagged with (``pfl.study``), the
+    spec's description (``mlflow.note.content``) and the git state of the spec's directory, and
+    (for a sweep, or reference runs beside the method) the parent run its runs nest under."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    note: str = ""
+    git: dict[str, str] = field(default_factory=dict)  # GIT_TAGS found for the spec's directory
+    started: float = field(default_factory=time.time)
+    parent: Any = None  # the study's parent run's tracker, once begun
+    pending: tuple | None = None  # begin_study's arguments until the first run starts
+
+    @classmethod
+    def for_spec(cls, path: str | None, description: str = "") -> "Study":
+        note = description.strip() or (spec_header(path) if path else "")
+        return cls(note=note, git=git_tags(Path(path).resolve().parent) if path else {})
+
+    def begin(self) -> None:
+        """Start the parent run begin_study asked for (when the first run starts, so a failure
+        before any run leaves no empty parent): the runs started from now on are its children."""
+        from . import __version__
+
+        section, uri_override, experiment, params, tags = self.pending
+        self.pending = None
+        self.parent = make_tracker(section, uri_override, self)
+        self.parent.start(experiment, self.run_name(experiment), params, {"pfl.version": __version__, **tags})
+
+    def log_comparison(self, results) -> None:
+        """The parent's ``results/comparison.csv`` (each top-level run's mean and ci95 of every
+        final metric, from the runner's results: ``name``, ``run_id``, ``runs``, ``summary``),
+        ``best_acc_mean`` and the tag ``pfl.best_run``."""
+        if self.parent is None:
+            return
+        keys = sorted({k for r in results for k in r.summary})
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["run", "run_id", "seeds", *[c for k in keys for c in (k, f"{k}_ci95")]])
+        for r in results:
+            cells = [v for k in keys for v in ((r.summary[k].mean, r.summary[k].ci95) if k in r.summary
+                                               else (float("nan"), float("nan")))]
+            writer.writerow([r.name, r.run_id or "", len(r.runs), *[f"{v:.6g}" for v in cells]])
+        self.parent.log_text(out.getvalue(), "results/comparison.csv")
+        scored = [r for r in results if "acc_mean" in r.summary and r.summary["acc_mean"].mean == r.summary["acc_mean"].mean]
+        if scored:
+            best = max(scored, key=lambda r: r.summary["acc_mean"].mean)
+            self.parent.log_metrics({"best_acc_mean": best.summary["acc_mean"].mean}, step=0)
+            self.parent.set_tag("pfl.best_run", best.name)
+
+    def end(self, status: str) -> None:
+        if self.parent is not None:
+            self.parent.end(status)
+            self.parent = None
+
+    def tags(self) -> dict[str, str]:
+        out = {STUDY_TAG: self.id, **self.git}
+        if self.note:
+            out[NOTE_TAG] = self.note
+        return out
+
+    def run_name(self, base: str) -> str:
+        """The study parent's name: unique per invocation, readable in the runs table."""
+        return f"{base} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))} ({self.id[:6]})"
+
+
+_STUDY: contextvars.ContextVar[Study | None] = contextvars.ContextVar("pfl_study", default=None)
+
+
+def current_study() -> Study | None:
+    """The study of the ``pfl-run`` invocation in progress (None outside one)."""
+    return _STUDY.get()
+
+
+def studied(run_spec_file):
+    """Make each call of ``run_spec_file(path, ...)`` one study: its trackers tag their runs with
+    it; the parent run, if ``begin_study`` started one, ends with the call and holds the
+    comparison of the runs the call returns."""
+
+    @functools.wraps(run_spec_file)
+    def wrapper(path, *args, **kwargs):
+        study = Study()
+        token = _STUDY.set(study)
+        status = "FAILED"
+        try:
+            results = run_spec_file(path, *args, **kwargs)
+            study.log_comparison(results)
+            status = "FINISHED"
+            return results
+        finally:
+            _STUDY.reset(token)
+            study.end(status)
+
+    return wrapper
+
+
+def begin_study(path: str, description: str, section, uri_override: str | None, experiment: str,
+                params: dict[str, str], tags: dict[str, str], parent: bool) -> None:
+    """Fill in the current study from the validated spec (its note and git state) and, when
+    ``parent`` (more than one top-level run), start its parent run."""
+    study = current_study()
+    if study is None or not section.enabled:
+        return
+    found = Study.for_spec(path, description)
+    study.note, study.git = found.note, found.git
+    if parent:
+        study.pending = (section, uri_override, experiment, params, tags)
+
+
+def spec_header(path: str) -> str:
+    """The spec file's leading comment block without its ``#`` marks: the spec's description
+    when ``experiment.description`` is empty."""
+    lines = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                stripped = line.strip()
+                if not stripped.startswith("#"):
+                    break
+                text = stripped[1:]
+                lines.append(text[1:] if text.startswith(" ") else text)
+    except OSError:
+        return ""
+    return "\n".join(lines).strip()
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):  # no git, a hung git
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def git_tags(directory: Path) -> dict[str, str]:
+    """MLflow's git tags for ``directory`` (commit, branch, remote URL), {} outside a checkout."""
+    commit = _git(directory, "rev-parse", "HEAD")
+    if commit is None:
+        return {}
+    out = {GIT_TAGS[0]: commit}
+    branch = _git(directory, "rev-parse", "--abbrev-ref", "HEAD")
+    if branch and branch != "HEAD":
+        out[GIT_TAGS[1]] = branch
+    remote = _git(directory, "config", "--get", "remote.origin.url")
+    if remote:
+        out[GIT_TAGS[2]] = remote
+    return out
+
+
+def artifact_root_for(uri: str) -> str | None:
+    """Where a SQLite store's artifacts go: beside the database file (``/tmp/x.db`` ->
+    ``/tmp/x-artifacts``), not MLflow's shared ``./mlruns``. None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?")[0]
+    if not path or path == ":memory:":
+        return None
+    db = Path(path).resolve()
+    return str(db.with_name(db.stem + "-artifacts"))
+
+
 class NullTracker:
     """Tracking switched off: everything is accepted and dropped."""
 
@@ -51,6 +229,9 @@ class NullTracker:
     def set_tag(self, key: str, value: str) -> None:
         pass
 
+    def log_param(self, key: str, value: Any) -> None:
+        """One more param of the running run (a value a plugin resolved at run time)."""
+
     def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
         """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
 
@@ -61,7 +242,7 @@ class NullTracker:
 class MlflowTracker(NullTracker):
     """Logs to MLflow. ``uri`` empty: MLflow's own default (sqlite ``mlflow.db`` here)."""
 
-    def __init__(self, uri: str = ""):
+    def __init__(self, uri: str = "", study: Study | None = None):
         import logging
 
         import mlflow  # imported lazily: it is slow and only needed when tracking
@@ -72,17 +253,47 @@ class MlflowTracker(NullTracker):
         self.mlflow = mlflow
         if uri:
             mlflow.set_tracking_uri(uri)
+        self.study = study
         self.run_id = None
+
+    def _set_experiment(self, name: str) -> None:
+        """Select (create) the experiment; a new one is a model-training experiment (MLflow 3's
+        UI opens it on its runs) and, on a SQLite store, keeps its artifacts beside the file."""
+        mlflow = self.mlflow
+        client = mlflow.MlflowClient()
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                client.create_experiment(name, artifact_location=artifact_root_for(mlflow.get_tracking_uri()),
+                                         tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+            except Exception:  # created meanwhile by another process: use that one
+                if client.get_experiment_by_name(name) is None:
+                    raise
+        elif experiment.lifecycle_stage == "active" and EXPERIMENT_KIND_TAG not in experiment.tags:
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        mlflow.set_experiment(name)
 
     def start(self, experiment, run_name, params, tags):
         mlflow = self.mlflow
         try:
-            mlflow.set_experiment(experiment)
+            self._set_experiment(experiment)
         except Exception as exc:  # unreachable server, unwritable store
             raise PflError(f"MLflow tracking at {mlflow.get_tracking_uri()} failed: {one_line(exc)} (tracking.uri)") from None
-        # A run started while another is active (a seed of a repeated experiment) is its child.
-        run = mlflow.start_run(run_name=run_name, tags=tags, nested=mlflow.active_run() is not None)
+        if self.study is not None and self.study.pending is not None:
+            self.study.begin()  # the study's parent first: this run nests under it
+        context = {TRACKING_URI_TAG: mlflow.get_tracking_uri()}
+        if self.study is not None:
+            context.update(self.study.tags())
+        # A run started while another is active (a seed of a repeated experiment, a sweep point
+        # of a study) is its child.
+        run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=mlflow.active_run() is not None)
         self.run_id = run.info.run_id
+        if self.study is not None:
+            # MLflow's own git tags describe the checkout of the running script (pfl-run's), not
+            # the spec's: keep only those of the spec's directory.
+            for key in GIT_TAGS:
+                if key not in self.study.git and key in run.data.tags:
+                    mlflow.delete_tag(key)
         items = sorted(params.items())
         for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             mlflow.log_params(dict(items[start : start + 100]))
@@ -98,6 +309,9 @@ class MlflowTracker(NullTracker):
 
     def set_tag(self, key, value):
         self.mlflow.set_tag(key, value)
+
+    def log_param(self, key, value):
+        self.mlflow.log_param(key, value)
 
     def log_metrics_to(self, run_id, metrics):
         if run_id is None or not metrics:
@@ -118,11 +332,13 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
 
-def make_tracker(section, uri_override: str | None = None):
+def make_tracker(section, uri_override: str | None = None, study: Study | None = None):
+    """The tracker for one run; ``study`` (default: the current ``pfl-run`` invocation's) adds
+    its tags."""
     if not section.enabled:
         return NullTracker()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    return MlflowTracker(uri_override or section.uri)
+    return MlflowTracker(uri_override or section.uri, study or current_study())
 
 
 class Progress:

@@ -213,6 +213,8 @@ class Cosmos(PublicPredictionMethod):
             b0, local_clusters = float(self.params.b0), greedy_clusters(distances, float(self.params.b0))
         clusters = [[ids[j] for j in c] for c in local_clusters]
         ctx.server["b0"] = b0
+        ctx.resolved_value("num_clusters", len(clusters))
+        ctx.resolved_value("b0", b0)
         rows = "client,cluster\n" + "".join(f"{i},{k}\n" for k, c in enumerate(clusters) for i in c)
         ctx.tracker.log_text(rows, "cosmos/clusters.csv")
         ctx.tracker.log_text(f"b0 = {b0}\n", "cosmos/b0.txt")

@@ -147,6 +147,7 @@ class PartialModel(FedAvg):
                 k = resolve_split(len(layers), self.params.split)
             except ValueError as exc:
                 raise self._split_error(exc) from None
+            ctx.resolved_value(f"split.{arch}", k)  # e.g. split = none resolved to L // 2
             base = [key for layer in layers[:k] for key in layer]
             head = [key for layer in layers[k:] for key in layer]
             cache[arch] = {"base": (base, head), "head": (head, base)}[self.shared_part]  # a typo fails loudly

@@ -1,0 +1,156 @@
+"""One pfl-run invocation is one MLflow study: a parent run over the sweep points (seeds nested
+under their point), every run tagged with the study id, the spec's git commit, its
+description, the tracking URI; model-training experiments with artifacts beside the store."""
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pfl_core import tomlout
+from pfl_core.context import RunContext
+from pfl_core.runner import run_spec_file
+from pfl_core.tracking import NullTracker, artifact_root_for, spec_header
+from tiny import tiny_raw
+
+GIT_COMMIT = "mlflow.source.git.commit"
+PARENT = "mlflow.parentRunId"
+
+
+def git(cwd, *args) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def write(path: Path, raw: dict, header: str = "") -> str:
+    path.write_text(header + tomlout.dumps(raw))
+    return str(path)
+
+
+def all_runs(uri: str, experiment: str):
+    mlflow.set_tracking_uri(None)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, exp, client.search_runs([exp.experiment_id])
+
+
+def test_a_sweep_with_seeds_is_one_study_tree_with_git_note_uri_and_kind(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1], "tracking.enabled": True,
+                      "experiment.description": "Does FedAvg beat Local here?"})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local"]}
+    spec = write(repo / "spec.toml", raw, "# the header, not the note\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "spec.toml")
+    git(repo, "commit", "-q", "-m", "spec")
+    commit = git(repo, "rev-parse", "HEAD")
+    uri = f"sqlite:///{tmp_path / 'store' / 'runs.db'}"
+    (tmp_path / "store").mkdir()
+    shown = run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(tmp_path / "out.txt", "w"))
+    client, exp, runs = all_runs(uri, "tiny")
+
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert Path(exp.artifact_location.removeprefix("file://")) == tmp_path / "store" / "runs-artifacts"
+    assert len(runs) == 1 + 2 + 4
+    tops = [r for r in runs if PARENT not in r.data.tags]
+    assert len(tops) == 1
+    study = tops[0]
+    points = [r for r in runs if r.data.tags.get(PARENT) == study.info.run_id]
+    assert sorted(r.info.run_name for r in points) == ["fedavg", "local"]
+    assert {r.info.run_id for r in points} == {p.run_id for p in shown}
+    for point in points:
+        seeds = [r for r in runs if r.data.tags.get(PARENT) == point.info.run_id]
+        assert sorted(r.info.run_name for r in seeds) == [f"{point.info.run_name} seed=0",
+                                                           f"{point.info.run_name} seed=1"]
+    study_id = study.data.tags["pfl.study"]
+    assert study.info.run_name.startswith("tiny ") and study_id[:6] in study.info.run_name
+    for run in runs:
+        tags = run.data.tags
+        assert tags["pfl.study"] == study_id
+        assert tags[GIT_COMMIT] == commit
+        assert tags["mlflow.note.content"] == "Does FedAvg beat Local here?"
+        assert tags["pfl.tracking_uri"] == uri
+        assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path / "store")
+    # the study's params: what the points share; its artefact: the comparison table
+    assert study.data.params["training.lr"] == "0.1" and "algorithm.name" not in study.data.params
+    assert study.data.tags["pfl.sweep"] == "algorithm.name" and study.info.status == "FINISHED"
+    assert study.data.tags["pfl.best_run"] in ("fedavg", "local") and "best_acc_mean" in study.data.metrics
+    path = client.download_artifacts(study.info.run_id, "results/comparison.csv", str(tmp_path))
+    rows = list(csv.DictReader(open(path)))
+    assert [r["run"] for r in rows] == ["fedavg", "local"] and rows[0]["seeds"] == "2"
+    assert float(rows[0]["acc_mean"]) == pytest.approx(shown[0].summary["acc_mean"].mean, rel=1e-5)
+
+    # a second invocation: its own study, its own top-level name
+    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(tmp_path / "out.txt", "w"))
+    _, _, runs = all_runs(uri, "tiny")
+    tops = [r for r in runs if PARENT not in r.data.tags]
+    assert len(tops) == 2 and len({r.info.run_name for r in tops}) == 2
+    assert len({r.data.tags["pfl.study"] for r in runs}) == 2
+
+
+def test_a_single_run_has_no_parent_no_git_outside_a_checkout_and_the_header_as_note(tmp_path):
+    if subprocess.run(["git", "-C", str(tmp_path), "rev-parse"], capture_output=True).returncode == 0:
+        pytest.skip("the temporary directory is inside a git checkout")
+    raw = tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True, "algorithm.name": "fedalt"})
+    header = "# FedAlt on the tiny data.\n#\n#   pfl-run spec.toml\n\n"
+    spec = write(tmp_path / "spec.toml", raw, header)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (point,) = run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(tmp_path / "out.txt", "w"))
+    _, exp, runs = all_runs(uri, "tiny")
+    (run,) = runs
+    assert run.info.run_id == point.run_id and run.info.run_name == "fedalt"
+    tags = run.data.tags
+    assert PARENT not in tags and tags["pfl.study"]
+    assert not any(k.startswith("mlflow.source.git.") for k in tags)  # not even pfl-run's own checkout
+    assert tags["mlflow.note.content"] == "FedAlt on the tiny data.\n\n  pfl-run spec.toml"
+    assert tags["pfl.tracking_uri"] == uri
+    assert Path(exp.artifact_location.removeprefix("file://")) == tmp_path / "mlflow-artifacts"
+    # the partial-model plugins' split point, as resolved for the model (split = none: L // 2)
+    resolved = {k: v for k, v in run.data.params.items() if k.startswith("resolved.split.")}
+    assert list(resolved.values()) == ["1"], run.data.params
+
+
+def test_one_point_with_seeds_keeps_its_parent_as_the_top_run(tmp_path):
+    raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1], "tracking.enabled": True})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (point,) = run_spec_file(write(tmp_path / "s.toml", raw), [], quiet=True, tracking_uri=uri,
+                             out=open(tmp_path / "out.txt", "w"))
+    _, _, runs = all_runs(uri, "tiny")
+    (top,) = [r for r in runs if PARENT not in r.data.tags]
+    assert top.info.run_id == point.run_id and len(runs) == 3
+    assert len({r.data.tags["pfl.study"] for r in runs}) == 1
+
+
+def test_artifact_root_beside_a_sqlite_file_only():
+    assert artifact_root_for("sqlite:////tmp/x.db") == "/tmp/x-artifacts"
+    assert artifact_root_for("sqlite:///rel/x.db") == str(Path("rel/x-artifacts").resolve())
+    assert artifact_root_for("http://localhost:5000") is None
+    assert artifact_root_for("file:///tmp/mlruns") is None
+
+
+def test_spec_header_stops_at_the_first_line_that_is_not_a_comment(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("# one\n#two\n#\n# three\n[experiment]\n# not this\n")
+    assert spec_header(str(path)) == "one\ntwo\n\nthree"
+    assert spec_header(str(tmp_path / "missing.toml")) == ""
+
+
+def test_resolved_value_is_logged_once_as_a_resolved_param():
+    class Params(NullTracker):
+        def __init__(self):
+            self.params = []
+
+        def log_param(self, key, value):
+            self.params.append((key, value))
+
+    ctx = RunContext.__new__(RunContext)
+    ctx.resolved_values, ctx.tracker = {}, Params()
+    ctx.resolved_value("num_clusters", 3)
+    ctx.resolved_value("num_clusters", 3)
+    assert ctx.tracker.params == [("resolved.num_clusters", 3)] and ctx.resolved_values == {"num_clusters": 3}
