@@ -38,7 +38,9 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                         help="also write the results into DIR (new): comparison.csv, differences.csv, per-client "
                              "CSVs and the spec as run; with or without tracking")
     parser.add_argument("--overwrite", action="store_true", help="let --out replace the results in an existing DIR")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--clients", action="store_true", help="also print each run's per-client table")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar, no loading line, no locations: only the run summaries and the comparison")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
     return parser
 
@@ -53,7 +55,8 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
 
         results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
                                 no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
-                                no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite)
+                                no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
+                                clients=args.clients)
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -22,7 +22,7 @@ from .payload import nbytes
 from .registry import Plugin
 from .seeding import numpy_rng
 from .spec import Spec, structure, unstructure
-from .tracking import NullTracker, Progress, flatten, one_line
+from .tracking import NullTracker, Progress, flatten, one_line, status_line
 
 
 @attrs.define
@@ -102,15 +102,18 @@ class RunResult:
     run_id: str | None = None
     # Failures after training (e.g. in cold-start evaluation): reported, the run's results kept.
     errors: list[str] = attrs.Factory(list)
+    seconds: float = 0.0  # wall time of the whole run, data loading included
 
 
 class Engine:
-    def __init__(self, resolved: Resolved, tracker=None, progress: bool = True, run_name: str | None = None):
+    def __init__(self, resolved: Resolved, tracker=None, progress: bool = True, run_name: str | None = None,
+                 progress_label: str | None = None):
         self.resolved = resolved
         self.spec = resolved.spec
         self.tracker = tracker or NullTracker()
         self.show_progress = progress and self.spec.tracking.progress
         self.run_name = run_name or self.spec.tracking.run_name or self.spec.algorithm.name
+        self.progress_label = progress_label or self.run_name  # "run 2/6 fedprox" during a sweep
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -121,6 +124,8 @@ class Engine:
         if spec.executor.threads:
             torch.set_num_threads(spec.executor.threads)
         device = pick_device(spec.executor.device)
+        status_line(f"{self.progress_label}: loading {spec.data.name} and partitioning it "
+                    f"({spec.partition.scheme}, {spec.partition.num_clients} clients) ...", self.show_progress)
         data = build_federated_data(spec, device=device)
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
@@ -177,6 +182,7 @@ class Engine:
 
     def run(self) -> RunResult:
         spec = self.spec
+        started = time.perf_counter()
         ctx = self.ctx = self.prepare()  # kept for inspection after the run
         tags = {"algorithm": spec.algorithm.name, "pfl.version": _version(), **spec.tracking.tags}
         self.tracker.start(spec.tracking.experiment or spec.experiment.name, self.run_name,
@@ -186,6 +192,7 @@ class Engine:
             result = self._run(ctx)
             status = "FINISHED"
             result.run_id = self.tracker.run_id
+            result.seconds = time.perf_counter() - started
             return result
         finally:
             self.tracker.end(status)
@@ -194,29 +201,34 @@ class Engine:
         spec = self.spec
         self._log_partition(ctx)
         ctx.hooks.setup(ctx=ctx)
-        progress = Progress(spec.experiment.rounds, self.run_name, enabled=self.show_progress)
+        progress = Progress(spec.experiment.rounds, self.progress_label, enabled=self.show_progress)
         history: list[dict] = []
         rows: list[dict] = []
-        for round in range(1, spec.experiment.rounds + 1):
-            ctx.round_metrics = {}
-            started = time.perf_counter()
-            self.run_round(ctx, round)
-            metrics = {
-                "round_seconds": time.perf_counter() - started,
-                "comm_up_bytes": float(ctx.comm_up),
-                "comm_down_bytes": float(ctx.comm_down),
-                **ctx.budget_metrics(),
-                **ctx.round_metrics,
-            }
-            if round % spec.evaluation.every == 0 or round == spec.experiment.rounds:
+        try:
+            for round in range(1, spec.experiment.rounds + 1):
+                ctx.round_metrics = {}
                 started = time.perf_counter()
-                scores, rows = evaluate_clients(ctx)
-                if spec.evaluation.validation:
-                    scores.update(evaluate_clients(ctx, split="val", prefix="val_")[0])
-                metrics.update(scores, eval_seconds=time.perf_counter() - started)
-                history.append({"round": round, **metrics})
-            self.tracker.log_metrics(metrics, step=round)
-            progress.update(round, metrics if "acc_mean" in metrics else None)
+                self.run_round(ctx, round)
+                metrics = {
+                    "round_seconds": time.perf_counter() - started,
+                    "comm_up_bytes": float(ctx.comm_up),
+                    "comm_down_bytes": float(ctx.comm_down),
+                    **ctx.budget_metrics(),
+                    **ctx.round_metrics,
+                }
+                if round % spec.evaluation.every == 0 or round == spec.experiment.rounds:
+                    started = time.perf_counter()
+                    scores, rows = evaluate_clients(ctx)
+                    if spec.evaluation.validation:
+                        scores.update(evaluate_clients(ctx, split="val", prefix="val_")[0])
+                    metrics.update(scores, eval_seconds=time.perf_counter() - started)
+                    history.append({"round": round, **metrics})
+                self.tracker.log_metrics(metrics, step=round)
+                progress.update(round, metrics if "acc_mean" in metrics else None)
+        finally:  # a failed round leaves no half-drawn bar
+            close = getattr(progress, "close", None)
+            if close is not None:
+                close()
         final = dict(history[-1]) if history else {}
         for extra in ctx.hooks.on_finish(ctx=ctx):
             if extra:

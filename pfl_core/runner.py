@@ -14,7 +14,7 @@ from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .tracking import begin_study, flatten, make_tracker, studied
+from .tracking import flatten, human_bytes, human_seconds, make_tracker
 
 
 @attrs.define
@@ -204,20 +204,10 @@ def check_compare_to(points: list[Point], names: list[str]) -> None:
         raise SpecError("experiment.compare_to", f"names no run of this spec: {wanted!r}; runs: {', '.join(names)}")
 
 
-def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, str]]:
-    """The study parent run's experiment, params (what every sweep point shares) and tags."""
-    spec = points[0].resolved.spec
-    flat = [flatten(p.resolved.as_dict) for p in points]
-    shared = {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
-    swept = list(dict.fromkeys(k for p in points for k in p.settings))
-    tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
-    return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
-
-
-@studied  # one MLflow study per call (pfl_core/tracking.py)
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
-                  no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False) -> list[PointResult]:
+                  no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
+                  clients: bool = False) -> list[PointResult]:
     """Run every point of the spec. ``out_dir``: also write the results there
     (:mod:`pfl_core.results`), after the spec validated; a failure part-way still writes what
     finished (and an ``INCOMPLETE`` file) before it propagates."""
@@ -241,10 +231,6 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
-    # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
-    top_level = len(references) + sum(not any(same_run(p, r) for _, r in references) for p in points)
-    begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
-                tracking_uri, *study_params(points), parent=top_level > 1)
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
     results_dir = None
     if out_dir is not None:  # the spec validated: now the directory may be created
@@ -259,6 +245,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         except OSError as exc:
             raise PflError(f"--out {out_dir}: cannot write: {exc.strerror or exc}") from None
 
+    reused_points = [any(same_run(point, ref) for _, ref in references) for point in points]
+    counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references),
+                                                            *(p for p, r in zip(points, reused_points) if not r)]))
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
     partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
@@ -266,16 +255,16 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     shown: list[PointResult] = []
     try:
         for label, ref in references:
-            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial))
-            print_point(ref_results[-1], out)
+            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter))
+            print_point(ref_results[-1], out, clients)
         for point, name in zip(points, names):
             reused = next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
             if reused is not None:  # this sweep point is one of the reference runs: not run twice
                 reused_refs.add(reused)
                 results.append(attrs.evolve(ref_results[reused], name=name))
             else:
-                results.append(run_point(point, name, tracking_uri, quiet, out, partial))
-                print_point(results[-1], out)
+                results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
+                print_point(results[-1], out, clients)
         shown = [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
         if ref_results:
             log_gains(points[0], shown, ref_results, tracking_uri)
@@ -296,8 +285,39 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         raise
     if results_dir is not None:
         results_dir.write_results(shown, compare_to)
-        print(f"results written to {out_dir}", file=out)
+    if not quiet:  # --quiet: the summaries and the comparison only
+        print_locations(points[0], out_dir, out)
     return shown
+
+
+@attrs.define
+class RunCounter:
+    """``run k/n`` in the progress bar's label during a sweep (or over seeds)."""
+
+    total: int
+    done: int = 0
+
+    def label(self, name: str) -> str:
+        self.done += 1
+        return f"run {self.done}/{self.total} {name}" if self.total > 1 else name
+
+
+def print_locations(point: Point, out_dir: str | None, out) -> None:
+    """Where the results are: the tracking URI, the experiment, the MLflow UI address of its
+    runs, and the --out directory."""
+    from .tracking import experiment_location
+
+    lines = []
+    try:
+        where = experiment_location(point.resolved.spec)
+    except Exception:  # a store that cannot be read back: the runs were logged; say nothing wrong
+        where = None
+    if where:
+        lines.append(where)
+    if out_dir is not None:
+        lines.append(f"results: {out_dir}/ (comparison.csv, differences.csv, runs/<run>/clients*.csv, spec.toml)")
+    if lines:
+        print("\n" + "\n".join(lines), file=out)
 
 
 def log_gains(point: Point, results: list[PointResult], references: list[PointResult], tracking_uri) -> None:
@@ -340,14 +360,15 @@ def dry_run_report(points: list[Point], out) -> None:
 
 
 def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out,
-              partial: list | None = None) -> PointResult:
+              partial: list | None = None, counter: RunCounter | None = None) -> PointResult:
     """Run one sweep point: a single run, or one child run per seed under a parent run that
     holds the mean, std and 95% interval of every final metric."""
     spec = point.resolved.spec
     group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
     if not point.seeds:
         tracker = make_tracker(spec.tracking, tracking_uri)
-        run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name).run()
+        run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name,
+                     progress_label=counter.label(name) if counter else None).run()
         return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
                            run.run_id, spec.algorithm.name, group)
 
@@ -360,8 +381,9 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     try:
         for seed in point.seeds:
             child = make_tracker(spec.tracking, tracking_uri)
-            runs.append(Engine(point.for_seed(seed), tracker=child, progress=not quiet,
-                               run_name=f"{name} seed={seed}").run())
+            label = f"{name} seed={seed}"
+            runs.append(Engine(point.for_seed(seed), tracker=child, progress=not quiet, run_name=label,
+                               progress_label=counter.label(label) if counter else None).run())
             print_run_line(runs[-1], f"{name} seed={seed}", out)
         status = "FINISHED"
     finally:
@@ -418,23 +440,51 @@ def print_table(header: list[str], rows: list[list], out) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
 
 
-def print_run_line(result: RunResult, name: str, out) -> None:
+def run_summary(result: RunResult) -> str:
+    """One run in one line: accuracy mean, std, p10, the worst client, bytes, wall time."""
     final = result.final
-    shown = "  ".join(f"{k} {_fmt(final[k])}" for k in ("acc_mean", "acc_p10", "coldstart_acc_mean") if k in final)
-    print(f"-- {name}: {shown}", file=out)
+    parts = [f"{label} {final[k]:.4f}" for k, label in (("acc_mean", "acc_mean"), ("acc_std", "std"),
+                                                        ("acc_p10", "p10")) if k in final]
+    scored = [r for r in result.client_rows if isinstance(r.get("acc"), (int, float)) and not r.get("coldstart")]
+    if scored:
+        worst = min(scored, key=lambda r: r["acc"])
+        parts.append(f"worst client {worst.get('client', '?')} {worst['acc']:.4f}")
+    if "coldstart_acc_mean" in final:
+        parts.append(f"cold-start {final['coldstart_acc_mean']:.4f}")
+    parts.append(f"up {human_bytes(final.get('comm_up_bytes', 0.0))}, down {human_bytes(final.get('comm_down_bytes', 0.0))}")
+    if result.seconds:
+        parts.append(human_seconds(result.seconds))
+    return "  ".join(parts)
+
+
+def print_run_line(result: RunResult, name: str, out) -> None:
+    print(f"-- {name}: {run_summary(result)}", file=out)
     for error in result.errors:
         print(f"-- {name}: error: {error}", file=out)
 
 
-def print_point(result: PointResult, out) -> None:
-    if len(result.runs) == 1:
-        print_client_table(result.runs[0], result.name, out)
+def print_point(result: PointResult, out, clients: bool = False) -> None:
+    """A run's compact summary (``clients``: its per-client table first); a point with seeds:
+    the mean ± 95% interval over them."""
+    if len(result.runs) == 1 and len(result.seeds) <= 1 and not result.seeded:
+        if clients:
+            print_client_table(result.runs[0], result.name, out)
+        print_run_line(result.runs[0], result.name, out)
+        if result.run_id and not clients:
+            print(f"-- MLflow run {result.run_id}", file=out)
         return
+    if clients:
+        for seed, run in zip(result.seeds, result.runs):
+            print_client_table(run, f"{result.name} seed={seed}", out)
     print(f"\n== {result.name}: {len(result.runs)} seeds (mean ± 95% interval) ==", file=out)
     for key in ("acc_mean", "acc_std", "acc_p10", "server_acc_mean", "coldstart_acc_mean",
                 "budget.private_epochs", "budget.public_epochs"):
         if key in result.summary:
             print(f"-- {key} {_pm(result.summary[key])}", file=out)
+    if "comm_up_bytes" in result.summary:
+        seconds = sum(r.seconds for r in result.runs)
+        print(f"-- up {human_bytes(result.summary['comm_up_bytes'].mean)} per run, "
+              f"{human_seconds(seconds)} in all", file=out)
     if result.run_id:
         print(f"-- MLflow parent run {result.run_id} (one child run per seed)", file=out)
 
@@ -447,14 +497,9 @@ def print_client_table(result: RunResult, name: str, out) -> None:
     header = list(rows[0])
     print_table(header, [[r[k] for k in header] for r in rows], out)
     final = result.final
-    summary = "  ".join(f"{k} {_fmt(final[k])}" for k in ("acc_mean", "acc_std", "acc_p10", "loss_mean") if k in final)
-    comm = f"up {final.get('comm_up_bytes', 0) / 1e6:.2f} MB, down {final.get('comm_down_bytes', 0) / 1e6:.2f} MB"
-    print(f"-- {summary}  ({comm})", file=out)
     coldstart = "  ".join(f"{k} {_fmt(final[k])}" for k in ("coldstart_acc_mean", "coldstart_acc_std") if k in final)
     if coldstart:
         print(f"-- cold-start clients: {coldstart}", file=out)
-    for error in result.errors:
-        print(f"-- error: {error}", file=out)
     if result.run_id:
         print(f"-- MLflow run {result.run_id}", file=out)
 
@@ -479,7 +524,7 @@ def print_comparison(results: list[PointResult], reference: str, out) -> None:
         rows.append([
             r.name,
             *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
-            r.summary["comm_up_bytes"].mean if "comm_up_bytes" in r.summary else math.nan,
+            human_bytes(r.summary["comm_up_bytes"].mean) if "comm_up_bytes" in r.summary else "-",
             *[_interval(r.summary[k]) if k in r.summary else "-" for k in gain_keys],
             *[_diff_cell(r, ref, k) for k in diff_keys],
         ])

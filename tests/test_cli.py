@@ -100,10 +100,16 @@ def test_dry_run_prints_the_resolved_spec_and_runs_nothing(tmp_path, capsys, mon
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_run_prints_the_per_client_table(tmp_path, capsys):
-    code, out, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--quiet")
+def test_run_prints_the_per_client_table_only_with_clients(tmp_path, capsys):
+    code, out, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--quiet", "--clients")
     assert code == 0, err
     assert "per-client results" in out and out.count(" mlp ") == 4
+    code, out, err = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--quiet")
+    assert code == 0, err
+    assert "per-client results" not in out and " mlp " not in out
+    (line,) = [line for line in out.splitlines() if line.strip()]  # --quiet: the run's summary line only
+    assert line.startswith("-- fedavg: acc_mean ") and " std " in line and " p10 " in line
+    assert "worst client " in line and "up " in line and " kB" in line and line.endswith(" s")
 
 
 def test_pfl_plugins_lists_builtins_with_versions_and_hooks(capsys):

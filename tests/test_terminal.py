@@ -1,0 +1,73 @@
+"""Terminal output: human-readable bytes, the tqdm progress bar, run k/n, where results are."""
+
+import io
+
+import pytest
+
+from pfl_core import tomlout
+from pfl_core.cli import run_main
+from pfl_core.tracking import Progress, human_bytes, human_seconds
+from tiny import tiny_raw
+
+
+@pytest.mark.parametrize("value, text", [
+    (0, "0 B"), (0.0, "0 B"), (512, "512 B"), (999, "999 B"), (1000, "1.0 kB"), (16192, "16.2 kB"),
+    (1_600_000, "1.6 MB"), (999_960, "1.0 MB"), (3_100_000_000, "3.1 GB"), (-2500, "-2.5 kB"),
+    (float("nan"), "-"),
+])
+def test_human_bytes(value, text):
+    assert human_bytes(value) == text
+
+
+def test_human_seconds():
+    assert human_seconds(0.42) == "0.4 s"
+    assert human_seconds(125) == "2 min 05 s"
+    assert human_seconds(3720) == "1 h 02 min"
+
+
+def test_progress_bar_shows_elapsed_eta_and_metrics():
+    stream = io.StringIO()
+    bar = Progress(4, "run 2/6 fedprox", stream=stream)
+    bar.update(1)
+    bar.update(2, {"acc_mean": 0.5, "comm_up_bytes": 1_600_000.0})
+    bar.update(4, {"acc_mean": 0.75, "comm_up_bytes": 3_200_000.0})
+    text = stream.getvalue()
+    assert "run 2/6 fedprox" in text and "4/4 rounds" in text
+    assert "00:00<" in text  # elapsed < remaining
+    assert "acc_mean 0.750" in text and "comm_up_bytes 3.2 MB" in text and "0.000" not in text
+    Progress(4, "off", enabled=False).update(4, {"acc_mean": 1.0})  # disabled: nothing, no error
+
+
+def write_spec(tmp_path, raw) -> str:
+    path = tmp_path / "spec.toml"
+    path.write_text(tomlout.dumps(raw))
+    return str(path)
+
+
+def test_sweep_shows_run_k_of_n_and_a_loading_line_and_ends_with_the_mlflow_location(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True, "tracking.progress": True})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local"]}
+    uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    code = run_main([write_spec(tmp_path, raw), "--tracking-uri", uri])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "run 1/2 fedavg" in err and "run 2/2 local" in err and "loading synthetic" in err
+    assert "== comparison" in out and "per-client results" not in out
+    assert f"tracking: {uri}, experiment 'tiny' (id " in out
+    assert f"mlflow ui --backend-store-uri {uri}" in out and "http://127.0.0.1:5000/#/experiments/" in out
+    local = next(line for line in out.splitlines() if line.lstrip().startswith("local "))
+    assert "0 B" in local and "0.0000" not in local.split("±")[-1]  # bytes column: never 0.0000
+
+
+def test_quiet_prints_only_summaries_and_the_comparison(tmp_path, capsys):
+    raw = tiny_raw(**{"experiment.rounds": 1, "tracking.progress": True})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local"]}
+    code = run_main([write_spec(tmp_path, raw), "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[0].startswith("-- fedavg: acc_mean") and lines[1].startswith("-- local: acc_mean")
+    assert lines[2].startswith("== comparison (same seed, same partition) ==")
+    assert lines[3].split() == ["run", "acc_mean", "acc_p10", "comm_up_bytes"]
+    assert len(lines) == 6 and "tracking:" not in out
