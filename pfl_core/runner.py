@@ -14,7 +14,7 @@ from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .tracking import flatten, human_bytes, human_seconds, make_tracker
+from .tracking import begin_study, flatten, human_bytes, human_seconds, make_tracker, studied
 
 
 @attrs.define
@@ -204,6 +204,17 @@ def check_compare_to(points: list[Point], names: list[str]) -> None:
         raise SpecError("experiment.compare_to", f"names no run of this spec: {wanted!r}; runs: {', '.join(names)}")
 
 
+def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The study parent run's experiment, params (what every sweep point shares) and tags."""
+    spec = points[0].resolved.spec
+    flat = [flatten(p.resolved.as_dict) for p in points]
+    shared = {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
+    swept = list(dict.fromkeys(k for p in points for k in p.settings))
+    tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
+    return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
+
+
+@studied  # one MLflow study per call (pfl_core/tracking.py)
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
                   no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
@@ -231,6 +242,10 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
+    # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
+    top_level = len(references) + sum(not any(same_run(p, r) for _, r in references) for p in points)
+    begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
+                tracking_uri, *study_params(points), parent=top_level > 1)
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
     results_dir = None
     if out_dir is not None:  # the spec validated: now the directory may be created
