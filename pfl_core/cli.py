@@ -8,10 +8,11 @@ Every error a user can cause ends as one line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Sequence
 
-from .errors import PflError
+from .errors import Interrupted, PflError
 
 EXIT_USAGE = 2
 
@@ -50,6 +51,7 @@ REPORT_TO = "please report it, with the command and the spec, to the pfl maintai
 
 def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     args = _run_parser(prog).parse_args(argv)
+    previous = _catch_signals()
     try:
         from .runner import run_spec_file
 
@@ -60,19 +62,60 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"{prog}: {interrupted_line(exc)}", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except Exception as exc:  # last resort: one line, the traceback only when asked for
         if args.debug:
             raise
         print(f"{prog}: internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
               f"(run again with --debug for the traceback; {REPORT_TO})", file=sys.stderr)
         return 1
+    finally:
+        _restore_signals(previous)
     errors = [e for point in results for run in point.runs for e in run.errors]
     for error in errors:  # the runs finished and were logged; a late step did not
         print(f"{prog}: error: {error}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _stop(signum, frame):
+    """SIGINT / SIGTERM: stop where the run is (the runs are ended KILLED on the way out); a
+    second signal during that clean-up is ignored, so nothing is left half-written."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _catch_signals() -> dict | None:
+    try:
+        return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave Python's defaults
+        return None
+
+
+def _restore_signals(previous: dict | None) -> None:
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)
+
+
+def interrupted_line(exc: BaseException) -> str:
+    """Where an interrupted run stopped and where its results are, in one line."""
+    name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+    where = []
+    round, rounds = getattr(exc, "round", None), getattr(exc, "rounds", None)
+    if round is None:
+        text = f"interrupted ({name}) before training started"
+    else:
+        text = (f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} "
+                f"(rounds 1..{round - 1} were logged)" if round > 1 else
+                f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} (no round was logged)")
+        if exc.run_id:
+            where.append(f"MLflow run {exc.run_id} (status KILLED) at {exc.tracking_uri}")
+    out_dir = getattr(exc, "out_dir", None)
+    if out_dir:
+        where.append(f"the runs that finished in {out_dir}/ (marked INCOMPLETE)")
+    return f"{text}; results: {', '.join(where)}" if where else f"{text}; nothing of it was tracked"
 
 
 def plugins_main(name: str | None = None) -> int:

@@ -15,14 +15,14 @@ import torch
 from . import plots, registry, tomlout
 from .context import ModelBank, RunContext
 from .data.federated import build_federated_data
-from .errors import NonFiniteError, PflError, SpecError
+from .errors import Interrupted, NonFiniteError, PflError, SpecError
 from .evaluation import evaluate_clients
 from .executors import make_executor
 from .payload import nbytes
 from .registry import Plugin
 from .seeding import numpy_rng
 from .spec import Spec, structure, unstructure
-from .tracking import NullTracker, Progress, flatten, one_line, status_line
+from .tracking import NullTracker, Progress, flatten, one_line, run_status, status_line
 
 
 @attrs.define
@@ -194,6 +194,14 @@ class Engine:
             result.run_id = self.tracker.run_id
             result.seconds = time.perf_counter() - started
             return result
+        except BaseException as exc:
+            status = run_status(exc)  # Ctrl-C / SIGTERM: KILLED, not FAILED
+            if isinstance(exc, Interrupted) and exc.round is None:  # where it stopped, for the one line
+                exc.round, exc.rounds, exc.run_name = ctx.round, spec.experiment.rounds, self.run_name
+                exc.run_id = self.tracker.run_id
+                mlflow = getattr(self.tracker, "mlflow", None)
+                exc.tracking_uri = mlflow.get_tracking_uri() if mlflow is not None else None
+            raise
         finally:
             self.tracker.end(status)
 

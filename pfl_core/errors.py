@@ -31,6 +31,22 @@ class NonFiniteError(PflError):
     """Training diverged: a loss or a sent parameter became NaN or infinite."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run. The engine and the runner fill in where:
+    ``round`` (the round in progress), ``run_name``, ``run_id``, ``tracking_uri`` and
+    ``out_dir``; the command line prints them in one line and exits 128 + ``signum``."""
+
+    def __init__(self, signum: int = 2):
+        super().__init__()
+        self.signum = signum
+        self.round: int | None = None
+        self.rounds: int | None = None
+        self.run_name: str | None = None
+        self.run_id: str | None = None
+        self.tracking_uri: str | None = None
+        self.out_dir: str | None = None
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the closest valid name, or '' if none is close."""
     close = difflib.get_close_matches(str(name), sorted(choices), n=1, cutoff=0.5)

@@ -14,7 +14,8 @@ from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .tracking import begin_study, flatten, human_bytes, human_seconds, make_tracker, studied
+from .errors import Interrupted
+from .tracking import begin_study, flatten, human_bytes, human_seconds, make_tracker, run_status, studied
 
 
 @attrs.define
@@ -293,8 +294,11 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
                                             f"{len(done)} run(s) that finished")
                 results_dir.write_results(done, compare_to)
-                print(f"partial results (the {len(done)} run(s) that finished) written to {out_dir}",
-                      file=sys.stderr)
+                if isinstance(exc, Interrupted):  # said in the command line's one line
+                    exc.out_dir = out_dir
+                else:
+                    print(f"partial results (the {len(done)} run(s) that finished) written to {out_dir}",
+                          file=sys.stderr)
             except Exception as write_error:  # never hide the failure that stopped the runs
                 print(f"could not write the partial results to {out_dir}: {write_error}", file=sys.stderr)
         raise
@@ -401,13 +405,16 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
                                progress_label=counter.label(label) if counter else None).run())
             print_run_line(runs[-1], f"{name} seed={seed}", out)
         status = "FINISHED"
+    except BaseException as exc:
+        status = run_status(exc)  # KILLED on Ctrl-C / SIGTERM
+        raise
     finally:
         # What the finished seeds measured is logged even when a later seed fails.
         result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id,
                              spec.algorithm.name, group, seeded=True)
         log_seed_summary(parent, result)
         parent.end(status)
-        if status == "FAILED" and runs and partial is not None:
+        if status != "FINISHED" and runs and partial is not None:
             partial.append(result)
     return result
 

@@ -137,11 +137,20 @@ def studied(run_spec_file):
             study.log_comparison(results)
             status = "FINISHED"
             return results
+        except BaseException as exc:
+            status = run_status(exc)
+            raise
         finally:
             _STUDY.reset(token)
             study.end(status)
 
     return wrapper
+
+
+def run_status(exc: BaseException) -> str:
+    """The MLflow status of a run a ``exc`` stopped: KILLED for Ctrl-C and SIGTERM
+    (KeyboardInterrupt, :class:`pfl_core.errors.Interrupted`), FAILED otherwise."""
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
 
 
 def begin_study(path: str, description: str, section, uri_override: str | None, experiment: str,
