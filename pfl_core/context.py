@@ -300,7 +300,7 @@ class RunContext:
         return seeding.derive_seed(self.spec.experiment.seed, purpose, self.round, client_id)
 
     def resolved_value(self, name: str, value: Any) -> None:
-        """A setting a plugin resolved at run time (the layer index a ``split = none`` came to,
+        """A setting a plugin resolved at run time (the head a ``head_layers = none`` came to,
         the number of clusters an automatic threshold formed): logged once as the run's param
         ``resolved.<name>`` beside the spec's own params."""
         if name in self.resolved_values and self.resolved_values[name] == value:

@@ -386,6 +386,23 @@ def make_converter() -> cattrs.Converter:
 converter = make_converter()
 
 
+# Keys renamed for one vocabulary across the methods (issue 13; docs/writing-a-plugin.md, "Naming
+# parameters"): old key -> (new key, how to translate). A spec that still uses the old key gets
+# ``<path>.<old>: renamed to <new> (<how>)`` wherever the table it is in has the new key; there
+# is no silent alias. Data only: a plugin that renames a parameter adds a row here.
+RENAMED_KEYS: dict[str, tuple[str, str]] = {
+    "split": ("head_layers", "the number of parameterised layers, counted from the output, that form "
+                             "the head: split = -j is head_layers = j, split = k is head_layers = L - k; "
+                             "none is still the middle"),
+    "fixed_lambda": ("lam", "lambda is spelled lam in every plugin; same meaning and default"),
+}
+
+
+def _renamed(extra: str, known: list[str]) -> str | None:
+    new, how = RENAMED_KEYS.get(extra, (None, ""))
+    return f"renamed to {new} ({how})" if new in known else None
+
+
 def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
     """Walk cattrs' exception groups down to the first leaf: (key path, message)."""
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
@@ -401,6 +418,9 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         extra = sorted(exc.extra_fields)[0]
+        renamed = _renamed(extra, known)
+        if renamed:
+            return path + [extra], renamed
         hint = did_you_mean(extra, known)
         valid = f"valid keys here: {', '.join(known)}" if known else "this table takes no keys"
         return path + [extra], f"unknown key{hint}; {valid}"

@@ -239,3 +239,27 @@ def test_pfl_plugins_unknown_name_is_one_line_with_did_you_mean_exit_2(capsys):
     assert out == ""
     line = one_line_error(err)
     assert "unknown plugin 'fedavgg'" in line and "did you mean 'fedavg'" in line
+
+
+# -- renamed keys (issue 13, one vocabulary): the old name is refused, naming the new one --
+
+
+@pytest.mark.parametrize("name, old, value, new", [
+    ("fedalt", "split", -1, "head_layers"), ("fedsim", "split", 2, "head_layers"),
+    ("lgfedavg", "split", 1, "head_layers"), ("fedbabu", "split", -1, "head_layers"),
+    ("fedmosaic", "fixed_lambda", 1.0, "lam"), ("fedct", "fixed_lambda", 1.0, "lam"),
+])
+def test_a_renamed_key_exits_2_with_one_line_naming_the_new_key(tmp_path, capsys, name, old, value, new):
+    public = {"public.size": 60} if name in ("fedmosaic", "fedct") else {}
+    raw = tiny_raw(**{"algorithm.name": name, "algorithm.params": {old: value}}, **public)
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
+    assert code == 2
+    line = one_line_error(err)
+    assert f"algorithm.params.{old}: renamed to {new} (" in line, line
+
+
+def test_a_renamed_key_is_only_refused_where_the_new_key_exists(tmp_path, capsys):
+    raw = tiny_raw(**{"algorithm.name": "fedavg", "algorithm.params": {"split": 1}})
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
+    line = one_line_error(err)
+    assert code == 2 and "algorithm.params.split: unknown key" in line and "renamed" not in line, line

@@ -153,8 +153,8 @@ def test_no_pseudo_term_before_any_consensus_exists():
     assert not logged and work == [(1, 0)]  # no lambda, no public sample
 
 
-def test_fixed_lambda_replaces_the_adaptive_weight():
-    model, metrics, logged, _ = one_step(pseudo_y=0, fixed_lambda=2.0)
+def test_a_fixed_lam_replaces_the_adaptive_weight():
+    model, metrics, logged, _ = one_step(pseudo_y=0, lam=2.0)
     assert logged["lambda/0"] == 2.0
     assert metrics["train_loss"] == pytest.approx(softplus(-1) + 2 * softplus(1), rel=1e-6)
 
@@ -255,7 +255,7 @@ def test_counted_bytes_in_a_run_match_the_encoding():
 def test_fedct_equals_fedmosaic_with_lambda_fixed_at_one_and_uniform_expertise():
     rounds = {"experiment.rounds": 3}
     _, ct = run_tiny(**{"algorithm.name": "fedct", **PUBLIC, **rounds})
-    _, fixed = run_tiny(**mosaic(fixed_lambda=1.0, expertise="uniform", warmup_epochs=0), **rounds)
+    _, fixed = run_tiny(**mosaic(lam=1.0, expertise="uniform", warmup_epochs=0), **rounds)
     _, adaptive = run_tiny(**mosaic(expertise="uniform", warmup_epochs=0), **rounds)
     for i in range(4):
         a, b, c = ct.ctx.store[i]["weights"], fixed.ctx.store[i]["weights"], adaptive.ctx.store[i]["weights"]
@@ -264,7 +264,7 @@ def test_fedct_equals_fedmosaic_with_lambda_fixed_at_one_and_uniform_expertise()
     assert torch.equal(ct.ctx.server["consensus"], fixed.ctx.server["consensus"])
     # with a warm-up too (FedCT's default is none)
     _, ct = run_tiny(**{"algorithm.name": "fedct", **PUBLIC, "algorithm.params.warmup_epochs": 1})
-    _, fixed = run_tiny(**mosaic(fixed_lambda=1.0, expertise="uniform", warmup_epochs=1))
+    _, fixed = run_tiny(**mosaic(lam=1.0, expertise="uniform", warmup_epochs=1))
     assert all(torch.equal(ct.ctx.store[0]["weights"][k], fixed.ctx.store[0]["weights"][k]) for k in a)
 
 
@@ -337,7 +337,7 @@ def test_warmup_happens_once_and_is_counted_in_the_budget():
 def test_lambda_zero_is_local_training_bit_for_bit():
     # With lambda fixed at 0 the pseudo term adds exactly nothing: the private batches and
     # optimiser are client.train's, so the weights are Local's.
-    _, zero = run_tiny(**mosaic(fixed_lambda=0.0, warmup_epochs=0))
+    _, zero = run_tiny(**mosaic(lam=0.0, warmup_epochs=0))
     _, local = run_tiny(**{"algorithm.name": "local", **PUBLIC})
     for i in range(4):
         assert same_weights(zero.ctx.store[i]["weights"], local.ctx.store[i]["weights"])
@@ -460,7 +460,7 @@ def test_a_bad_warmup_fails_naming_the_key(value):
         assert err.value.path == "algorithm.params.warmup_epochs"
 
 
-@pytest.mark.parametrize("key, bad, good", [("fixed_lambda", -0.5, 0.0), ("comm_period", 0, 1),
+@pytest.mark.parametrize("key, bad, good", [("lam", -0.5, 0.0), ("comm_period", 0, 1),
                                            ("public_passes", 0.0, 0.01), ("expertise_bits", 0, 1),
                                            ("expertise_bits", 17, 16), ("eps", 0.0, 1e-12)])
 def test_parameter_bounds_name_the_key(key, bad, good):

@@ -194,7 +194,7 @@ def test_fedbabu_defaults_and_a_negative_fine_tuning_names_its_key():
     from pfl_core.errors import SpecError
     from plugins.fedbabu import FedBABUParams
 
-    assert FedBABUParams().finetune_epochs == 5 and FedBABUParams().split == -1  # the paper's main setting
+    assert FedBABUParams().finetune_epochs == 5 and FedBABUParams().head_layers == 1  # the paper's main setting
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**DEEP, **{"algorithm.name": "fedbabu", "algorithm.params.finetune_epochs": -1}))
     assert info.value.path == "algorithm.params.finetune_epochs"

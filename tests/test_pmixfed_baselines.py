@@ -67,7 +67,7 @@ def test_fedbabu_keeps_the_head_at_its_initialisation_and_fine_tunes_at_evaluati
                                          "algorithm.params.finetune_epochs": 1})
     layers = keys_of(engine)
     glob, init = engine.ctx.server["global"], engine.ctx.models.initial_state("mlp")
-    assert all(torch.equal(glob[k], init[k]) for k in layers[2])  # head: split -1
+    assert all(torch.equal(glob[k], init[k]) for k in layers[2])  # head: head_layers = 1
     assert all(not torch.equal(glob[k], init[k]) for k in layers[0] + layers[1])
     model_bytes = state_bytes(glob, layers[0] + layers[1])
     assert result.final["comm_up_bytes"] == 3 * 2 * model_bytes  # 3 training clients, 2 rounds
@@ -78,25 +78,32 @@ def test_fedbabu_keeps_the_head_at_its_initialisation_and_fine_tunes_at_evaluati
     assert "coldstart_acc_mean" in result.final
 
 
-@pytest.mark.parametrize("name, split", [("fedalt", 3), ("fedsim", 0), ("lgfedavg", -3), ("fedbabu", 5)])
-def test_a_split_outside_the_models_layers_names_the_key(name, split):
+@pytest.mark.parametrize("name, head_layers", [("fedalt", 3), ("fedsim", 4), ("lgfedavg", 9), ("fedbabu", 5)])
+def test_a_split_outside_the_models_layers_names_the_key(name, head_layers):
     with pytest.raises(SpecError) as err:
-        resolve(tiny_raw(**DEEP, **{"algorithm.name": name, "algorithm.params.split": split}))
-    assert err.value.path == "algorithm.params.split"
+        resolve(tiny_raw(**DEEP, **{"algorithm.name": name, "algorithm.params.head_layers": head_layers}))
+    assert err.value.path == "algorithm.params.head_layers"
     assert "outside the model's layers" in err.value.message
+
+
+@pytest.mark.parametrize("name", ["fedalt", "fedsim", "lgfedavg", "fedbabu", "fedper", "fedrep"])
+def test_no_head_layers_is_refused_by_the_bound(name):
+    with pytest.raises(SpecError) as err:
+        resolve(tiny_raw(**DEEP, **{"algorithm.name": name, "algorithm.params.head_layers": 0}))
+    assert err.value.path == "algorithm.params.head_layers" and ">= 1" in err.value.message
 
 
 def test_the_split_is_checked_again_on_the_real_model():
     from plugins.partial import PartialModel
     from types import SimpleNamespace
 
-    plugin = PartialModel(PartialModel.Params(split=7))
+    plugin = PartialModel(PartialModel.Params(head_layers=7))
     plugin.spec_path = "algorithm"
     _, engine = run_tiny(**{**DEEP, "experiment.rounds": 1})
     ctx = SimpleNamespace(server={}, models=engine.ctx.models)
     with pytest.raises(SpecError) as err:
         plugin.split_keys(ctx, "mlp")
-    assert err.value.path == "algorithm.params.split"
+    assert err.value.path == "algorithm.params.head_layers"
 
 
 def test_cli_dry_run_exits_2_on_a_bad_split(tmp_path, capsys):
@@ -104,8 +111,47 @@ def test_cli_dry_run_exits_2_on_a_bad_split(tmp_path, capsys):
     spec.write_text(
         '[data]\nname = "synthetic"\n[data.params]\nnum_devices = 4\n[partition]\nscheme = "domain"\n'
         'num_clients = 4\n[model]\nname = "mlp"\n[algorithm]\nname = "fedalt"\n'
-        '[algorithm.params]\nsplit = 9\n'
+        '[algorithm.params]\nhead_layers = 9\n'
     )
     assert run_main([str(spec), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "algorithm.params.split" in err
+    assert len(err.splitlines()) == 1 and "algorithm.params.head_layers" in err
+
+
+# -- one split parameter (issue 13): head_layers, counted from the output; defaults unchanged --
+
+
+def head_keys(ctx, name):
+    if name in ("fedper", "fedrep"):
+        return ctx.server["head_keys"]
+    shared, personal = ctx.server["partial_keys"]["mlp"]
+    return shared if name == "lgfedavg" else personal  # LG-FedAvg shares the head
+
+
+def fc(*layers):
+    return [f"fc{i}.{p}" for i in layers for p in ("weight", "bias")]
+
+
+# The head each method had under its former default (partial family: split = none, L // 2 base
+# layers; FedBABU: split = -1; FedPer/FedRep: head_layers = 1), for MLPs of 3 and 4 layers.
+@pytest.mark.parametrize("hidden, name, head", [
+    ([16, 16], "fedalt", fc(2, 3)), ([16, 16], "fedsim", fc(2, 3)), ([16, 16], "lgfedavg", fc(2, 3)),
+    ([16, 16], "fedbabu", fc(3)), ([16, 16], "fedper", fc(3)),
+    ([16, 16], "fedrep", fc(3)),
+    ([16, 16, 16], "fedalt", fc(3, 4)), ([16, 16, 16], "fedsim", fc(3, 4)), ([16, 16, 16], "lgfedavg", fc(3, 4)),
+    ([16, 16, 16], "fedbabu", fc(4)), ([16, 16, 16], "fedper", fc(4)), ([16, 16, 16], "fedrep", fc(4)),
+])
+def test_the_default_head_of_every_split_method_is_unchanged(hidden, name, head):
+    from harness import prepared
+
+    _, ctx = prepared(**{"model.params.hidden": hidden, "algorithm.name": name})
+    assert head_keys(ctx, name) == head
+
+
+@pytest.mark.parametrize("name, head_layers, head", [("fedalt", 1, fc(3)), ("lgfedavg", 2, fc(2, 3)),
+                                                     ("fedbabu", 2, fc(2, 3)), ("fedper", 2, fc(2, 3))])
+def test_head_layers_counts_the_same_layers_in_every_split_method(name, head_layers, head):
+    from harness import prepared
+
+    _, ctx = prepared(**DEEP, **{"algorithm.name": name, "algorithm.params.head_layers": head_layers})
+    assert head_keys(ctx, name) == head

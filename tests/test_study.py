@@ -111,8 +111,8 @@ def test_a_single_run_has_no_parent_no_git_outside_a_checkout_and_the_header_as_
     assert tags["mlflow.note.content"] == "FedAlt on the tiny data.\n\n  pfl-run spec.toml"
     assert tags["pfl.tracking_uri"] == uri
     assert Path(exp.artifact_location.removeprefix("file://")) == tmp_path / "mlflow-artifacts"
-    # the partial-model plugins' split point, as resolved for the model (split = none: L // 2)
-    resolved = {k: v for k, v in run.data.params.items() if k.startswith("resolved.split.")}
+    # the partial-model plugins' head, as resolved for the model (head_layers = none: L - L // 2)
+    resolved = {k: v for k, v in run.data.params.items() if k.startswith("resolved.head_layers.")}
     assert list(resolved.values()) == ["1"], run.data.params
 
 

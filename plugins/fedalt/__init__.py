@@ -1,8 +1,8 @@
 """FedAlt: Pillutla et al., "Federated Learning with Partial Model Personalization", ICML 2022
 (Algorithm 1 with alternating updates).
 
-Shared parameters u (the base, layers 1..k), personal parameters v_i (the head, layers
-k+1..L); k = ``split`` (default: the middle, L // 2).
+Shared parameters u (the base, layers 1..k), personal parameters v_i (the head, the last
+``head_layers`` layers k+1..L; default: the middle, k = L // 2).
 
     each round t, each participant i:
         receive u_t; v_i kept on the client (seeded initial weights before its first round)
@@ -33,9 +33,10 @@ from plugins.partial import PartialModel, only_training
 
 @define
 class FedAltParams:
-    split: Optional[int] = field(default=None, metadata={
-        "doc": "layers 1..split are the shared base, the rest the personal head; none: the middle "
-               "(L // 2); negative: counted from the end. Both parts non-empty (checked against the model)"})
+    head_layers: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "how many parameterised layers, counted from the output, form the personal head (the rest "
+               "is the shared base); none: the middle (L - L // 2, base L // 2). Both parts non-empty "
+               "(checked against the model)"})
     personal_epochs: int = field(default=1, validator=at_least(0), metadata={
         "doc": "epochs on the personal part a round, shared part fixed, before training.local_epochs "
                "epochs on the shared part"})

@@ -1,7 +1,7 @@
 """FedBABU: Oh et al., "FedBABU: Toward Enhanced Representation for Federated Image
 Classification", ICLR 2022 (Algorithm 1).
 
-Body (layers 1..k, default every layer but the last, ``split = -1``) learned by FedAvg; the
+Body (layers 1..k, default every layer but the last, ``head_layers = 1``) learned by FedAvg; the
 head (the classifier) is frozen at its random initialisation during federated training, the
 same for every client, so it is never sent. Personalisation is fine-tuning of the whole model.
 
@@ -34,9 +34,9 @@ from plugins.partial import PartialModel, only_training
 
 @define
 class FedBABUParams:
-    split: Optional[int] = field(default=-1, metadata={
-        "doc": "layers 1..split are the body (learned by FedAvg), the rest the frozen head; -1: every "
-               "layer but the last; none: the middle (L // 2)"})
+    head_layers: Optional[int] = field(default=1, validator=at_least(1), metadata={
+        "doc": "how many parameterised layers, counted from the output, form the frozen head (the rest is "
+               "the body, learned by FedAvg); 1: the classifier; none: the middle (L - L // 2)"})
     finetune_epochs: int = field(default=5, validator=at_least(0), metadata={
         "doc": "epochs of fine-tuning the whole model on the client's training split before every "
                "evaluation (the paper's main results)"})

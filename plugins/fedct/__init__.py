@@ -6,8 +6,8 @@ CE(private batch) + lambda * CE(public batch, consensus labels) with lambda fixe
 
 Implemented as a configuration of FedMosaic (one code path): ``expertise = "uniform"`` (no
 expertise is sent; up = |U| ceil(log2 C) bits per client and round) and
-``fixed_lambda = lambda_`` (default 1); ``comm_period`` and ``public_passes`` as FedMosaic's.
-``tests/test_fedmosaic.py`` checks that FedCT gives bit-identical personal weights to FedMosaic with ``fixed_lambda = 1, expertise = "uniform"``
+``lam = lambda`` (default 1); ``comm_period`` and ``public_passes`` as FedMosaic's.
+``tests/test_fedmosaic.py`` checks that FedCT gives bit-identical personal weights to FedMosaic with ``lam = 1, expertise = "uniform"``
 (and the same ``warmup_epochs``).
 
 ``warmup_epochs`` (private-only epochs before the first upload, FedMosaic's warm-up) defaults
@@ -27,8 +27,8 @@ from plugins.fedmosaic import FedMosaic
 
 @define
 class FedCTParams:
-    fixed_lambda: float = field(default=1.0, validator=[finite, at_least(0)],
-                                metadata={"doc": "lambda, the fixed weight of the pseudo-label loss"})
+    lam: float = field(default=1.0, validator=[finite, at_least(0)],
+                       metadata={"doc": "lambda, the fixed weight of the pseudo-label loss"})
     comm_period: Optional[int] = field(default=None, validator=at_least(1), metadata={
         "doc": "local steps between communications; none: training.local_epochs epochs (as FedMosaic)"})
     public_passes: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={

@@ -31,7 +31,7 @@ Expertise (``expertise``):
 
 lambda (``lambda_mode``): ``"batch"`` (default, Alg. 1: per step, from that step's two batch
 losses) or ``"round"`` (once per round, from the full private training set and the full
-pseudo-labelled U, as plotted in the paper's Appendix B). ``fixed_lambda`` replaces the
+pseudo-labelled U, as plotted in the paper's Appendix B). ``lam`` replaces the
 adaptive weight by a constant (FedCT).
 
 Decisions where the paper and METHODS.md are silent (also in
@@ -134,7 +134,7 @@ class FedMosaicParams:
     lambda_mode: str = field(default="batch", validator=one_of("batch", "round"), metadata={
         "doc": "adaptive lambda per step from that step's two batch losses (Alg. 1), or once per round "
                "from the full private set and the full pseudo-labelled U"})
-    fixed_lambda: Optional[float] = field(default=None, validator=[finite, at_least(0)], metadata={
+    lam: Optional[float] = field(default=None, validator=[finite, at_least(0)], metadata={
         "doc": "none: the adaptive lambda of Alg. 1; a number: lambda fixed at it (FedCT: 1)"})
     expertise: str = field(default="W", validator=one_of(*EXPERTISE_MODES), metadata={
         "doc": "vote weights: W, the client's share of training labels of the predicted class; U, "
@@ -327,8 +327,8 @@ class FedMosaic(Plugin):
         return True
 
     def _lambda(self, l_priv, l_pseudo):
-        if self.params.fixed_lambda is not None:
-            return torch.tensor(float(self.params.fixed_lambda))
+        if self.params.lam is not None:
+            return torch.tensor(float(self.params.lam))
         return adaptive_lambda(l_priv, l_pseudo, self.params.eps)
 
     def local_work(self, spec) -> LocalWork:

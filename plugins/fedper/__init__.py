@@ -11,8 +11,9 @@ client). Each round:
 The personalized model of client j is W_B (the current global base) + W_Pj (its own layers;
 the seeded initial ones until it first trains).
 
-``head_layers``: how many of the last parameterised layers are personal (the paper varies
-K_P from 1 to 4; default 1, the classifier, as for FedRep's head). Layers are counted with
+``head_layers``: how many parameterised layers, counted from the output, form the personal
+head (the paper varies K_P from 1 to 4; default 1, the classifier, as for FedRep's head; the
+same parameter as the partial-model methods', whose default is the middle). Layers are counted with
 ``pfl_core.models.layers`` (a BatchNorm is its own layer).
 """
 
@@ -31,8 +32,8 @@ from plugins.fedavg import require_single_architecture
 @define
 class FedPerParams:
     head_layers: int = field(default=1, validator=at_least(1), metadata={
-        "doc": "how many of the last parameterised layers are personal (the paper varies K_P from 1 to 4; "
-               "1: the classifier)"})
+        "doc": "how many parameterised layers, counted from the output, form the personal head (the paper "
+               "varies K_P from 1 to 4; 1: the classifier)"})
 
 
 def body_head_keys(ctx, arch: str, head_layers: int, spec_path: str) -> tuple[list[str], list[str]]:

@@ -42,7 +42,8 @@ from plugins.fedper import FedPer
 @define
 class FedRepParams:
     head_layers: int = field(default=1, validator=at_least(1), metadata={
-        "doc": "the last parameterised layers that form the personal head (1: the classifier)"})
+        "doc": "how many parameterised layers, counted from the output, form the personal head (1: the "
+               "classifier)"})
     head_epochs: int = field(default=10, validator=at_least(0),
                              metadata={"doc": "tau_h: head epochs a round, body frozen, first"})
     body_epochs: int = field(default=1, validator=at_least(0), metadata={

@@ -2,8 +2,8 @@
 (Algorithm 1 with simultaneous updates).
 
 The model is split into shared parameters u (the base, layers 1..k) and personal parameters
-v_i (the head, layers k+1..L); k = ``split`` (default: the middle, L // 2, which is the
-pMixFed paper's "layers [1, 2] are shared" for its CNNs).
+v_i (the head, the last ``head_layers`` layers k+1..L; default: the middle, k = L // 2, which is
+the pMixFed paper's "layers [1, 2] are shared" for its CNNs).
 
     each round t, each participant i:
         (u, v_i) <- (u_t, v_i)                     receive u_t; v_i kept on the client

@@ -2,8 +2,8 @@
 Global Representations", 2020 (Algorithm 1).
 
 The opposite split from FedAlt/FedSim: each client keeps its *local representation* (the
-base, layers 1..k) and only the *global* head (layers k+1..L) is shared and averaged;
-k = ``split`` (default: the middle, L // 2).
+base, layers 1..k) and only the *global* head (the last ``head_layers`` layers k+1..L) is
+shared and averaged (default: the middle, k = L // 2).
 
     each round t, each participant i:
         (theta_i^l, theta^g) <- (own base, received head theta^g_t)

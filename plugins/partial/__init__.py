@@ -12,13 +12,16 @@ The one helper behind FedAlt, FedSim, FedBABU, LG-FedAvg (and pMixFed's layer bo
     w_shared <- sum_i p_i * shared keys of model_i             (server_aggregate, p_i = n_i/n)
 
 Only the shared keys travel, so only they are counted as communication. A *layer* is one
-parameterised module (``pfl_core.models.layers``), listed base (input) to head (output); the
-split point ``k`` puts layers ``1..k`` in the base and ``k+1..L`` in the head. ``split`` is a
-layer count (negative counts from the end, like Python: ``-1`` leaves only the last layer in
-the head); ``None`` means the middle, ``k = L // 2``, which for pMixFed's CNNs is the paper's
+parameterised module (``pfl_core.models.layers``), listed base (input) to head (output);
+``head_layers`` is the number of layers, counted from the output, that form the head (the same
+parameter, with the same meaning, as FedPer's and FedRep's): the split point ``k = L -
+head_layers`` puts layers ``1..k`` in the base and ``k+1..L`` in the head. ``None`` means the
+middle, ``k = L // 2`` (``head_layers = L - L // 2``), which for pMixFed's CNNs is the paper's
 "layers [1, 2] are shared" (cnn2: 4 layers, cnn4: 5 layers). Both parts must be non-empty:
-``1 <= k <= L - 1``; anything else is a spec error naming ``algorithm.params.split`` (checked
-before any data is loaded for the zoo's models, and again in ``setup`` on the real model).
+``1 <= head_layers <= L - 1``; anything else is a spec error naming
+``algorithm.params.head_layers`` (checked before any data is loaded for the zoo's models, and
+again in ``setup`` on the real model). The former ``split`` (base layers, negative from the
+end) is refused with a pointer here: ``split = -j`` is ``head_layers = j``.
 
 Subclasses say which part is shared (``shared_part = "base"`` or ``"head"``) and how a client
 updates (``local_train``).
@@ -34,6 +37,7 @@ from attrs import define, field
 
 from pfl_core import SpecError, hookimpl
 from pfl_core.context import clone_state, load_state
+from pfl_core.spec import at_least
 from pfl_core.models.layers import layer_keys, parameterised_layers
 from plugins.fedavg import FedAvg
 
@@ -44,22 +48,23 @@ _PROBE_SHAPES = [(1, 28, 28), (3, 32, 32), (3, 64, 64), (20,)]
 
 @define
 class SplitParams:
-    split: Optional[int] = field(default=None, metadata={
-        "doc": "layers 1..split are the base, the rest the head; none: the middle (L // 2); negative: "
-               "counted from the end. Both parts non-empty (checked against the model)"})
+    head_layers: Optional[int] = field(default=None, validator=at_least(1), metadata={
+        "doc": "how many parameterised layers, counted from the output, form the head (the rest is the "
+               "base); none: the middle (L - L // 2, base L // 2). Both parts non-empty (checked against "
+               "the model)"})
 
 
-def resolve_split(num_layers: int, split: Optional[int]) -> int:
-    """The number k of base layers; ValueError unless both base and head are non-empty."""
+def resolve_split(num_layers: int, head_layers: Optional[int]) -> int:
+    """The number k of base layers (``num_layers - head_layers``; None: ``num_layers // 2``);
+    ValueError unless both base and head are non-empty."""
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} parameterised layer(s); a base/head split needs at least 2")
-    if split is None:
+    if head_layers is None:
         return num_layers // 2
-    k = num_layers + split if split < 0 else split
-    if not 1 <= k <= num_layers - 1:
-        raise ValueError(f"split point {split} is outside the model's layers: the model has {num_layers} layers, "
-                         f"so the split must be in 1..{num_layers - 1} (or -{num_layers - 1}..-1)")
-    return k
+    if not 1 <= head_layers <= num_layers - 1:
+        raise ValueError(f"{head_layers} head layers is outside the model's layers: the model has {num_layers} "
+                         f"layers, so head_layers must be in 1..{num_layers - 1} (both base and head non-empty)")
+    return num_layers - head_layers
 
 
 def probe_num_layers(spec, arch: str) -> Optional[int]:
@@ -136,7 +141,7 @@ class PartialModel(FedAvg):
     # -- layer bookkeeping ------------------------------------------------------------
 
     def _split_error(self, exc: Exception) -> SpecError:
-        return SpecError(f"{self.spec_path}.params.split", str(exc))
+        return SpecError(f"{self.spec_path}.params.head_layers", str(exc))
 
     def split_keys(self, ctx, arch: str) -> tuple[list[str], list[str]]:
         """(shared keys, personal keys) of ``arch``'s state dict, in state-dict order."""
@@ -144,10 +149,10 @@ class PartialModel(FedAvg):
         if arch not in cache:
             layers = layer_keys(ctx.models.working(arch))
             try:
-                k = resolve_split(len(layers), self.params.split)
+                k = resolve_split(len(layers), self.params.head_layers)
             except ValueError as exc:
                 raise self._split_error(exc) from None
-            ctx.resolved_value(f"split.{arch}", k)  # e.g. split = none resolved to L // 2
+            ctx.resolved_value(f"head_layers.{arch}", len(layers) - k)  # e.g. none resolved to L - L // 2
             base = [key for layer in layers[:k] for key in layer]
             head = [key for layer in layers[k:] for key in layer]
             cache[arch] = {"base": (base, head), "head": (head, base)}[self.shared_part]  # a typo fails loudly
@@ -181,7 +186,7 @@ class PartialModel(FedAvg):
             n = probe_num_layers(spec, arch)
             if n is not None:
                 try:
-                    resolve_split(n, self.params.split)
+                    resolve_split(n, self.params.head_layers)
                 except ValueError as exc:
                     raise self._split_error(exc) from None
 
