@@ -15,7 +15,7 @@ from .errors import PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
 from .errors import Interrupted
-from .tracking import begin_study, flatten, human_bytes, human_seconds, make_tracker, run_status, studied
+from .tracking import begin_study, check_store, flatten, human_bytes, human_seconds, make_tracker, run_status, studied
 
 
 @attrs.define
@@ -243,6 +243,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
+    stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
+    for section in stores.values():  # a store that cannot be used is said now, before any training
+        check_store(section, tracking_uri)
     # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
     top_level = len(references) + sum(not any(same_run(p, r) for _, r in references) for p in points)
     begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,

@@ -63,3 +63,55 @@ def test_a_signal_ends_the_runs_killed_with_one_line(tmp_path, sig, code, seeds)
     assert runs and set(runs.values()) == {"KILLED"}, runs
     assert len(runs) == (3 if seeds else 1), runs  # study parent, seeds' parent, first seed's run
     assert (tmp_path / "out" / "INCOMPLETE").exists()
+
+
+# -- tracking stores that cannot be used: one line, exit 2, before any training -----------------
+
+
+def run_pfl(tmp_path, raw, *args, timeout=60):
+    started = time.monotonic()
+    proc = subprocess.run([str(BIN / "pfl-run"), write_spec(tmp_path, raw), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "loading" not in proc.stderr and "--" not in proc.stdout  # no training started
+    return proc.returncode, lines[0], time.monotonic() - started
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:9", "http://no-such-host.invalid:5000"])
+def test_an_unreachable_server_is_said_in_one_line_before_training(tmp_path, uri):
+    code, line, seconds = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True}), "--tracking-uri", uri)
+    assert code == 2 and uri in line and "cannot be reached" in line and "--no-tracking" in line, line
+    assert seconds < 15
+
+
+def foreign_db(path: Path) -> None:
+    with sqlite3.connect(path) as con:
+        con.execute("create table recipes (name text, minutes integer)")
+        con.execute("insert into recipes values ('soup', 30)")
+    con.close()
+
+
+@pytest.mark.parametrize("make", [foreign_db, lambda p: p.write_text("my notes, not a database\n" * 50)])
+def test_a_file_that_is_not_an_mlflow_store_is_refused_untouched(tmp_path, make):
+    db = tmp_path / "mlflow.db"
+    make(db)
+    before = db.read_bytes()
+    raw = tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"})
+    code, line, _ = run_pfl(tmp_path, raw)
+    assert code == 2 and "tracking.uri" in line and "not an MLflow store" in line and "left as it is" in line, line
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "spec.toml"]
+
+
+def test_a_half_built_store_says_what_to_do(tmp_path):
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:  # create_all ran, the migrations never recorded their revision
+        con.execute("create table experiments (experiment_id integer primary key, name text)")
+        con.execute("create table runs (run_uuid text primary key)")
+        con.execute("create table alembic_version (version_num text)")
+    con.close()
+    before = db.read_bytes()
+    code, line, _ = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"}))
+    assert code == 2 and "half-built MLflow store" in line and f"delete {db}" in line, line
+    assert db.read_bytes() == before
