@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -141,11 +142,17 @@ class Engine:
 
     # -- one round --------------------------------------------------------------------
 
-    def _run_client(self, ctx: RunContext, client_id: int) -> tuple[int, dict]:
+    def _run_client(self, ctx: RunContext, client_id: int, skip: bool = False) -> tuple[int, dict | None]:
+        """One client's round. ``skip`` (``training.on_nonfinite = "skip_client"``): a non-finite
+        loss or upload restores the client's state to before the round and returns
+        ``(client_id, None)``; the upload returned is a copy (the round's uploads are kept
+        until all clients ran)."""
         hooks = ctx.hooks
         torch.manual_seed(ctx.seed_for("client", client_id))  # dropout etc.: order-independent
         message = ctx.broadcast(client_id)
         client = ctx.client(client_id)
+        before = _copy_payload(dict(client.state)) if skip else None
+        losses = len(ctx.train_losses)
         try:
             hooks.on_receive(ctx=ctx, client=client, message=message)
             train_metrics = hooks.local_train(ctx=ctx, client=client)
@@ -154,11 +161,17 @@ class Engine:
             upload = hooks.client_upload(ctx=ctx, client=client)
             check_finite(upload)
         except NonFiniteError as exc:
+            if skip:
+                client.state.clear()
+                client.state.update(before)
+                del ctx.train_losses[losses:]
+                return client_id, None
             raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: {exc}; "
-                                 f"training diverged: lower training.lr (now {self.spec.training.lr})") from None
+                                 f"training diverged: lower training.lr (now {self.spec.training.lr}) or set "
+                                 f"training.on_nonfinite = \"skip_client\"") from None
         ctx.comm_up += nbytes(upload)
         ctx.record_work(client)
-        return client_id, upload
+        return client_id, (_copy_payload(upload) if skip else upload)
 
     def run_round(self, ctx: RunContext, round: int) -> None:
         hooks = ctx.hooks
@@ -168,10 +181,22 @@ class Engine:
         ctx.train_losses = []
         hooks.on_round_start(ctx=ctx, round=round, participants=participants)
         weights = hooks.client_weighting(ctx=ctx, participants=participants)
-        uploads: Iterator = ctx.executor.map(lambda i: self._run_client(ctx, i), participants)
-        hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=weights)
-        for _ in uploads:  # clients the aggregate did not consume still train
-            pass
+        if self.spec.training.on_nonfinite == "skip_client":
+            # Every client first (a diverged one is only known once it ran), then the aggregate
+            # of the others, their weights renormalised; nobody left: the server state stays.
+            done = list(ctx.executor.map(lambda i: self._run_client(ctx, i, skip=True), participants))
+            kept = [(i, upload) for i, upload in done if upload is not None]
+            ctx.round_metrics["skipped_clients"] = float(len(done) - len(kept))
+            if kept:
+                if len(kept) < len(done):
+                    total = sum(weights[i] for i, _ in kept)
+                    weights = {i: (weights[i] / total if total else 1.0 / len(kept)) for i, _ in kept}
+                hooks.server_aggregate(ctx=ctx, uploads=iter(kept), weights=weights)
+        else:
+            uploads: Iterator = ctx.executor.map(lambda i: self._run_client(ctx, i), participants)
+            hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=weights)
+            for _ in uploads:  # clients the aggregate did not consume still train
+                pass
         if ctx.train_losses:
             ctx.round_metrics["train_loss_mean"] = sum(ctx.train_losses) / len(ctx.train_losses)
         for extra in hooks.on_round_end(ctx=ctx, round=round):
@@ -304,6 +329,21 @@ def check_finite(payload) -> None:
     elif isinstance(payload, (list, tuple)):
         for value in payload:
             check_finite(value)
+
+
+def _copy_payload(payload):
+    """A copy whose tensors no longer share memory with the working models (dicts, lists and
+    tuples copied; other values as they are)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.detach().clone()
+    if isinstance(payload, dict):
+        return {k: _copy_payload(v) for k, v in payload.items()}
+    if isinstance(payload, (list, tuple)):
+        return type(payload)(_copy_payload(v) for v in payload) if not hasattr(payload, "_fields") else payload
+    try:  # numpy arrays and other mutable values a plugin keeps
+        return copy.deepcopy(payload)
+    except Exception:
+        return payload
 
 
 def table_csv(header: list, rows: list[list]) -> str:

@@ -274,6 +274,10 @@ class TrainingSection:
     # leave it open; on by default because a full-learning-rate step on a 1-2 sample
     # remainder cost small clients up to 7 points (docs/spec-reference.md).
     drop_last: bool = True
+    # A client whose training loss or upload becomes NaN/inf: "stop" the run (one line naming
+    # round, client and method) or "skip_client" (left out of this round's aggregate, its
+    # state restored; skipped_clients is logged per round).
+    on_nonfinite: str = field(default="stop", validator=one_of("stop", "skip_client"))
 
 
 @define
