@@ -491,3 +491,9 @@ def test_cli_dry_run_exits_2_with_one_line(tmp_path, capsys, key, value):
     assert run_main([str(spec), "--dry-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and f"algorithm.params.{key}" in err[0]
+
+
+@pytest.mark.parametrize("key, value", [("lam", 0.0), ("lam", 0.5), ("comm_period", 1), ("warmup_epochs", 0)])
+def test_fedct_accepts_its_boundary_values(key, value):
+    """The smallest meaningful values pass validation (a bound off by one would refuse them)."""
+    resolve(tiny_raw(**{"algorithm.name": "fedct", **PUBLIC, f"algorithm.params.{key}": value}))

@@ -160,3 +160,10 @@ def test_coldstart_trains_with_the_regulariser_and_is_scored_by_prototypes():
     assert set(models) == {"", "local_"} and models[""].prototypes is ctx.server["prototypes"]
     result, _ = run_tiny(**{"algorithm.name": "fedproto", "experiment.rounds": 2, "experiment.coldstart_clients": 1})
     assert not result.errors and "coldstart_acc_mean" in result.final
+
+
+def test_the_default_lambda_is_the_papers_one_and_zero_is_allowed():
+    from plugins.fedproto import FedProtoParams
+
+    assert FedProtoParams().lam == 1.0  # the documented default weight of Eq. 5's prototype term
+    assert resolve(tiny_raw(**{"algorithm.name": "fedproto", "algorithm.params.lam": 0.0})).spec.algorithm.name == "fedproto"

@@ -254,3 +254,15 @@ def test_uploads_carry_exactly_the_shared_part(name, shared):
     upload = ctx.hooks.client_upload(ctx=ctx, client=client)
     assert list(upload) == ["weights"] and set(upload["weights"]) == set(shared)
     assert_same(upload["weights"], client.model.state_dict(), shared)
+
+
+def test_a_key_only_some_clients_sent_is_renormalised_over_its_senders_by_hand():
+    from plugins.partial import partial_average
+
+    t = lambda v: torch.tensor([v])
+    pairs = [(0.2, {"x": t(1.0)}), (0.3, {"x": t(2.0), "y": t(10.0)}), (0.5, {"x": t(4.0), "y": t(20.0)})]
+    average, senders = partial_average(pairs)
+    assert senders == {"x": 3, "y": 2}
+    assert average["x"].item() == pytest.approx(0.2 * 1 + 0.3 * 2 + 0.5 * 4)  # every client: weights as given
+    assert average["y"].item() == pytest.approx((0.3 * 10 + 0.5 * 20) / 0.8)  # its two senders, renormalised
+    assert partial_average([]) == ({}, {})

@@ -318,3 +318,14 @@ def test_a_parameter_a_batch_does_not_touch_is_not_moved_by_momentum():
     assert float(model.bias.detach()) == pytest.approx(-0.1, abs=1e-7)
     # w: gradient 1 twice: v = 1, w = 0.9; v = 1.9, w = 0.9 - 0.19 = 0.71
     assert float(model.weight.detach()) == pytest.approx(0.71, abs=1e-6)
+
+
+def test_mean_training_loss_of_a_list_and_of_a_total_by_hand():
+    from pfl_core.errors import NonFiniteError
+    from pfl_core.training import mean_training_loss
+
+    assert mean_training_loss([torch.tensor(1.0), torch.tensor(3.0)]) == {"train_loss": 2.0}
+    assert mean_training_loss(torch.tensor(6.0), 4) == {"train_loss": 1.5}
+    assert mean_training_loss([]) == {} and mean_training_loss(torch.tensor(0.0), 0) == {}
+    with pytest.raises(NonFiniteError):
+        mean_training_loss([torch.tensor(1.0), torch.tensor(float("nan"))])
