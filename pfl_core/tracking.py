@@ -486,11 +486,14 @@ class Progress:
 
 
 def status_line(text: str, enabled: bool = True, stream=None) -> None:
-    """One line on stderr (``loading data ...``) that does not break a tqdm bar."""
-    if enabled:
+    """One line on stderr (``loading data ...``) that does not break a tqdm bar; only on a
+    terminal, so a piped or logged run's stderr holds nothing but its one-line error if the
+    loading fails."""
+    stream = stream or sys.stderr
+    if enabled and getattr(stream, "isatty", lambda: False)():
         from tqdm import tqdm
 
-        tqdm.write(text, file=stream or sys.stderr)
+        tqdm.write(text, file=stream)
 
 
 def human_bytes(value: float) -> str:

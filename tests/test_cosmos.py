@@ -394,7 +394,7 @@ def test_cifar100_spec_runs_through_pfl_run_on_fake_files(tmp_path, capsys):
               "algorithm.params.server_epochs=1", "algorithm.params.num_augment=1",
               'model.pool=["lenet5", "cnn4"]', "executor.device=cpu"]
     with torchvision_md5_bypass():
-        code = run_main([str(ROOT / "specs/cosmos_cifar100.toml"), "--no-tracking", "--quiet",
+        code = run_main([str(ROOT / "specs/cosmos_cifar100.toml"), "--no-tracking", "--quiet", "--clients",
                          *[arg for item in shrink for arg in ("--set", item)]])
     out, err = capsys.readouterr()
     assert code == 0, err

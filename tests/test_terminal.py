@@ -2,6 +2,8 @@
 
 import io
 
+import sys
+
 import pytest
 
 from pfl_core import tomlout
@@ -49,6 +51,7 @@ def test_sweep_shows_run_k_of_n_and_a_loading_line_and_ends_with_the_mlflow_loca
     raw = tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True, "tracking.progress": True})
     raw["sweep"] = {"algorithm.name": ["fedavg", "local"]}
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the loading line is for terminals
     code = run_main([write_spec(tmp_path, raw), "--tracking-uri", uri])
     out, err = capsys.readouterr()
     assert code == 0, err
