@@ -109,7 +109,7 @@ def _script(name: str) -> str:
 def test_pfl_run_discovers_installed_plugin(site, tmp_path):
     spec = tmp_path / "spec.toml"
     spec.write_text(TINY_TOML)
-    proc = subprocess.run([_script("pfl-run"), str(spec), "--no-tracking"], cwd=tmp_path, env=_env(site),
+    proc = subprocess.run([_script("pfl-run"), str(spec), "--no-tracking", "--clients"], cwd=tmp_path, env=_env(site),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "== fedavgm: per-client results (test split) ==" in proc.stdout
