@@ -44,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # target (file, or plugin folder) -> the tests that specify it (pytest arguments); every
-# plugin's list ends with the registration-name test (-x runs it only when the rest pass)
+# plugin's list ends with the registration-name and generated-docs tests (-x runs them only when the
+# rest pass)
 PARAMS_TEST = "tests/test_baseline_params.py"  # every parameter of the issue-10 baselines
 SHARED_PARTIAL = ["tests/test_partial_baselines.py", "tests/test_pmixfed_baselines.py"]
 TESTS: dict[str, list[str]] = {
@@ -84,9 +85,10 @@ TESTS: dict[str, list[str]] = {
     "plugins/privacy": ["tests/test_privacy.py"],
 }
 NAME_TEST = "tests/test_baselines.py::test_every_built_in_plugin_carries_its_entry_point_name"
+DOCS_TEST = "tests/test_docs.py"  # a parameter's documented text, default and constraint
 for _target, _tests in TESTS.items():
     if _target.startswith("plugins/"):
-        TESTS[_target] = [*_tests, NAME_TEST]
+        TESTS[_target] = [*_tests, NAME_TEST, DOCS_TEST]
 PYTEST_FLAGS = ["-x", "-q", "-p", "no:cacheprovider"]
 
 

@@ -92,7 +92,7 @@ def hand_set_linear() -> torch.nn.Linear:
     return model
 
 
-@pytest.mark.parametrize("lam,temperature", [(5.0, 1.0), (0.7, 2.0), (0.0, 1.0)])
+@pytest.mark.parametrize("lam,temperature", [(5.0, 1.0), (0.7, 2.0), (0.0, 1.0), (1.0, 1.0)])  # 1.0: the default
 def test_one_step_of_eq1_is_kl_plus_lambda_times_the_consistency_term(lam, temperature):
     """One SGD step on one batch equals the step on the loss written out by hand:
     mean_x KL(t(x) || h(x)) + lam * sum_{s=1,2} mean_x KL(h(x) || h(x + noise_s)), h(x) fixed."""
@@ -420,3 +420,14 @@ def test_runs_on_cuda(tmp_path, name, params):
     assert sorted(targets) == [0, 1, 2, 3] and all(t.device.type == "cuda" for t in targets.values())
     assert result.final["comm_up_bytes"] == 2 * 4 * 32 * 4 * 4  # |U| x C float32, 4 clients, 2 rounds
     assert len(result.client_rows) == 4 and np.isfinite(result.final["acc_mean"])
+
+
+def test_uploaded_predictions_are_the_softmax_of_the_logits_over_t_by_hand():
+    from plugins.codistill import predict
+
+    model = hand_set_linear()
+    x = torch.tensor([[0.5, -1.0], [1.0, 2.0]])
+    logits = x @ torch.tensor([[1.0, -0.5], [0.2, 0.3], [-0.4, 0.8]]).T + torch.tensor([0.1, 0.0, -0.1])
+    for temperature in (1.0, 2.0, 0.5):
+        expected = torch.exp(logits / temperature) / torch.exp(logits / temperature).sum(dim=1, keepdim=True)
+        assert torch.allclose(predict(model, x, temperature), expected, atol=1e-6)
