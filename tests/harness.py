@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from tiny import tiny_raw
@@ -114,3 +115,12 @@ def recorded_training(monkeypatch):
 
     monkeypatch.setattr(Client, "train", spy)
     yield calls
+
+
+def linear(weight, bias):
+    """nn.Linear(2, 1) set to ``weight`` (a row of 2) and ``bias`` (a list of 1): tiny hand cases."""
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([weight]))
+        model.bias.copy_(torch.tensor(bias))
+    return model

@@ -7,26 +7,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from plugins.ditto import Ditto, DittoParams
 from plugins.fedprox import proximal_term
-from harness import (assert_close, assert_same, far_apart, model_bytes, prepared, recorded_training, state_of,
+from harness import (assert_close, assert_same, far_apart, linear, model_bytes, prepared, recorded_training, state_of,
                      train_reference)
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
 LINEAR = {"algorithm.name": "ditto", "model.params.hidden": [], "experiment.rounds": 2}
-
-
-def linear(weight, bias):
-    model = nn.Linear(2, 1)
-    with torch.no_grad():
-        model.weight.copy_(torch.tensor([weight]))
-        model.bias.copy_(torch.tensor(bias))
-    return model
 
 
 # -- the regulariser, by hand -------------------------------------------------------------------

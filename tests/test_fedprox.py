@@ -7,23 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from plugins.fedprox import FedProx, FedProxParams
-from harness import assert_close, far_apart, mean_of, prepared, recorded_training, train_reference
+from harness import assert_close, far_apart, linear, mean_of, prepared, recorded_training, train_reference
 from tiny import tiny_raw
 
 LINEAR = {"model.params.hidden": [], "experiment.rounds": 2, "algorithm.name": "fedprox"}
-
-
-def linear(weight, bias):
-    model = nn.Linear(2, 1)
-    with torch.no_grad():
-        model.weight.copy_(torch.tensor([weight]))
-        model.bias.copy_(torch.tensor(bias))
-    return model
 
 
 def term(mu, model, anchor):

@@ -55,8 +55,7 @@ from pfl_core import hookimpl
 from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least, finite
-from plugins.fedavg import FedAvg
-from plugins.fedprox import keep_received_weights, proximal_term
+from plugins.fedprox import AnchoredFedAvg, proximal_term
 
 
 @define
@@ -69,7 +68,7 @@ class DittoParams:
                "none: training.local_epochs (the global solver's epochs)"})
 
 
-class Ditto(FedAvg):
+class Ditto(AnchoredFedAvg):
     """Ditto (Li et al. 2021): FedAvg's global model w plus a personal model v per client, trained
     after the global update on ``f_i(v) + lam/2 * ||v - w||^2``; v is evaluated and never sent
     (FedAvg's bytes). Budget: ``training.local_epochs + personal_epochs`` a round."""
@@ -98,12 +97,6 @@ class Ditto(FedAvg):
             del client.scratch["anchor"]
         client.state["personal"] = clone_state(client.model)
         return metrics
-
-    @hookimpl
-    def on_receive(self, ctx, client, message):
-        super().on_receive(ctx, client, message)
-        keep_received_weights(client)
-        return True
 
     @hookimpl
     def local_train(self, ctx, client):

@@ -24,9 +24,15 @@ def proximal_term(model, anchor, coefficient: float):
     return coefficient / 2 * distance
 
 
-def keep_received_weights(client) -> None:
-    """w_t, the model just received, as constants in ``client.scratch["w_t"]`` (the anchor)."""
-    client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
+class AnchoredFedAvg(FedAvg):
+    """FedAvg whose clients keep w_t, the model they just received, as constants in
+    ``client.scratch["w_t"]``: the anchor of a proximal term (FedProx, Ditto)."""
+
+    @hookimpl
+    def on_receive(self, ctx, client, message):
+        super().on_receive(ctx, client, message)
+        client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
+        return True
 
 
 @define
@@ -36,18 +42,12 @@ class FedProxParams:
                "paper's grid 0.001, 0.01, 0.1, 1"})
 
 
-class FedProx(FedAvg):
+class FedProx(AnchoredFedAvg):
     """FedAvg whose clients add ``mu/2 * ||w - w_t||^2`` to their loss (Li et al. 2020), w_t the
     global model received this round."""
 
     name = "fedprox"
     Params = FedProxParams
-
-    @hookimpl
-    def on_receive(self, ctx, client, message):
-        super().on_receive(ctx, client, message)
-        keep_received_weights(client)
-        return True
 
     @hookimpl
     def local_objective(self, ctx, client, model, x, y, logits):
