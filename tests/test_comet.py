@@ -102,3 +102,14 @@ def test_bad_comet_params_name_their_key(params, path):
     with pytest.raises(SpecError) as info:
         resolve(tiny_raw(**{"algorithm.name": "comet", "public.size": 60, "algorithm.params": params}))
     assert info.value.path == path
+
+
+def test_kmeans_ends_at_a_fixed_point_of_lloyds_step():
+    """Every point is labelled with its nearest cluster mean (after several updates, not one:
+    on 0..19 the seeded first centres are rarely the final split)."""
+    points = np.arange(20.0)[:, None]
+    for seed in range(20):
+        labels = kmeans(points, 2, np.random.default_rng(seed))
+        means = np.stack([points[labels == j].mean(axis=0) for j in np.unique(labels)])
+        nearest = np.unique(labels)[((points[:, None, :] - means[None]) ** 2).sum(axis=2).argmin(axis=1)]
+        assert np.array_equal(labels, nearest), seed
