@@ -431,3 +431,18 @@ def test_uploaded_predictions_are_the_softmax_of_the_logits_over_t_by_hand():
     for temperature in (1.0, 2.0, 0.5):
         expected = torch.exp(logits / temperature) / torch.exp(logits / temperature).sum(dim=1, keepdim=True)
         assert torch.allclose(predict(model, x, temperature), expected, atol=1e-6)
+
+
+def test_augment_replays_its_draws_exactly_pad_two_each_side_and_a_fair_flip():
+    """The transformation ball spelled out: the first draw is one crop offset (dy, dx) in 0..4 of
+    the image padded by 2 pixels on every side (replicated edges), the second a flip per image
+    with probability 1/2, the third the noise. Over 16 images both flipped and unflipped occur."""
+    x = torch.arange(16 * 1 * 4 * 4, dtype=torch.float32).reshape(16, 1, 4, 4)
+    out = augment(x, torch.Generator().manual_seed(5), noise_std=0.1)
+    g = torch.Generator().manual_seed(5)
+    dy, dx = (int(v) for v in torch.randint(0, 5, (2,), generator=g))
+    flip = torch.rand(16, generator=g) < 0.5
+    crop = F.pad(x, (2, 2, 2, 2), mode="replicate")[:, :, dy : dy + 4, dx : dx + 4]
+    expected = torch.where(flip[:, None, None, None], crop.flip(3), crop) + 0.1 * torch.randn(x.shape, generator=g)
+    assert torch.equal(out, expected)
+    assert 0 < int(flip.sum()) < 16
