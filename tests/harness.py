@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
+from pfl_core.errors import SpecError
+from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
 
@@ -124,3 +127,18 @@ def linear(weight, bias):
         model.weight.copy_(torch.tensor([weight]))
         model.bias.copy_(torch.tensor(bias))
     return model
+
+
+def refused_at_key(raw, key, value) -> None:
+    """Resolving ``raw`` with ``algorithm.params.<key> = value`` raises a SpecError at that key."""
+    path = f"algorithm.params.{key}"
+    with pytest.raises(SpecError) as info:
+        resolve(tiny_raw(**{**raw, path: value}))
+    assert info.value.path == path
+
+
+def dry_run_error(tmp_path, capsys, raw) -> str:
+    """``pfl <spec> --dry-run`` on ``raw`` exits 2 with one error line (no traceback): that line."""
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
+    assert code == 2
+    return one_line_error(err)

@@ -9,12 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.errors import SpecError
 from plugins.ditto import Ditto, DittoParams
 from plugins.fedprox import proximal_term
-from harness import (assert_close, assert_same, far_apart, linear, model_bytes, prepared, recorded_training, state_of,
-                     train_reference)
-from test_cli import one_line_error, run_cli, write_spec
+from harness import (assert_close, assert_same, dry_run_error, far_apart, linear, model_bytes, prepared,
+                     recorded_training, refused_at_key, state_of, train_reference)
 from tiny import tiny_raw
 
 LINEAR = {"algorithm.name": "ditto", "model.params.hidden": [], "experiment.rounds": 2}
@@ -182,16 +180,11 @@ def test_a_full_run_with_coldstart_clients():
 @pytest.mark.parametrize("key,value", [("lam", -0.5), ("lam", float("nan")), ("personal_epochs", -1),
                                        ("personal_epochs", "two")])
 def test_bad_parameters_are_refused_at_their_key(key, value):
-    with pytest.raises(SpecError) as info:
-        resolve(tiny_raw(**LINEAR, **{f"algorithm.params.{key}": value}))
-    assert info.value.path == f"algorithm.params.{key}"
+    refused_at_key(LINEAR, key, value)
 
 
 def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
-    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**LINEAR, **{"algorithm.params.lam": -1})),
-                           "--dry-run")
-    assert code == 2
-    line = one_line_error(err)
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**LINEAR, **{"algorithm.params.lam": -1}))
     assert "algorithm.params.lam" in line and ">= 0" in line
 
 

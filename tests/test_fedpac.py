@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from plugins.fedpac import FedPAC, FedPACParams, combination_weights, combine, feature_statistics
-from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared
-from test_cli import one_line_error, run_cli, write_spec
+from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
+                     refused_at_key)
 from tiny import tiny_raw
 
 BASE = {"algorithm.name": "fedpac", "model.params.hidden": [8], "experiment.rounds": 2}
@@ -338,14 +338,9 @@ def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatc
                                        ("body_epochs", -2), ("head_lr_scale", 0.0), ("head_lr_scale", -3.0),
                                        ("collaborate", "yes")])
 def test_bad_parameters_are_refused_at_their_key(key, value):
-    with pytest.raises(SpecError) as info:
-        resolve(tiny_raw(**BASE, **{f"algorithm.params.{key}": value}))
-    assert info.value.path == f"algorithm.params.{key}"
+    refused_at_key(BASE, key, value)
 
 
 def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
-    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**BASE, **{"algorithm.params.lam": -0.5})),
-                           "--dry-run")
-    assert code == 2
-    line = one_line_error(err)
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**BASE, **{"algorithm.params.lam": -0.5}))
     assert "algorithm.params.lam" in line and ">= 0" in line

@@ -8,11 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.errors import SpecError
 from pfl_core.training import batch_order, batch_starts
 from plugins.perfedavg import PerFedAvg, PerFedAvgParams, adaptation_step, meta_step
-from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared, state_of
-from test_cli import one_line_error, run_cli, write_spec
+from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
+                     refused_at_key, state_of)
 from tiny import tiny_raw
 
 RAW = {"algorithm.name": "perfedavg", "model.params.hidden": [8], "experiment.rounds": 2,
@@ -201,14 +200,9 @@ def test_defaults_and_a_full_run_with_coldstart_clients():
 @pytest.mark.parametrize("key,value", [("alpha", -0.1), ("alpha", float("nan")), ("beta", 0.0), ("variant", "so"),
                                        ("delta", 0.0), ("eval_steps", -1)])
 def test_bad_parameters_are_refused_at_their_key(key, value):
-    with pytest.raises(SpecError) as info:
-        resolve(tiny_raw(**{**RAW, f"algorithm.params.{key}": value}))
-    assert info.value.path == f"algorithm.params.{key}"
+    refused_at_key(RAW, key, value)
 
 
 def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
-    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**RAW, **{"algorithm.params.variant": "fp"})),
-                           "--dry-run")
-    assert code == 2
-    line = one_line_error(err)
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**RAW, **{"algorithm.params.variant": "fp"}))
     assert "algorithm.params.variant" in line and "'fo', 'hf'" in line

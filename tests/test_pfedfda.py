@@ -14,8 +14,8 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from plugins.pfedfda import (PFedFDAParams, class_priors, cv_loss, cv_parts, interpolate, lda_head,
                              local_estimates, solve_beta, stratified_folds)
-from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared
-from test_cli import one_line_error, run_cli, write_spec
+from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
+                     refused_at_key)
 from tiny import tiny_raw
 
 BASE = {"algorithm.name": "pfedfda", "model.params.hidden": [8], "experiment.rounds": 2}
@@ -312,14 +312,9 @@ def test_a_model_whose_classifier_is_not_linear_is_refused(monkeypatch):
 @pytest.mark.parametrize("key,value", [("beta", "double"), ("folds", 1), ("min_count", -1), ("eps", 0.0),
                                        ("eps", 1.0), ("eps", float("nan"))])
 def test_bad_parameters_are_refused_at_their_key(key, value):
-    with pytest.raises(SpecError) as info:
-        resolve(tiny_raw(**BASE, **{f"algorithm.params.{key}": value}))
-    assert info.value.path == f"algorithm.params.{key}"
+    refused_at_key(BASE, key, value)
 
 
 def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
-    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**BASE, **{"algorithm.params.folds": 1})),
-                           "--dry-run")
-    assert code == 2
-    line = one_line_error(err)
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**BASE, **{"algorithm.params.folds": 1}))
     assert "algorithm.params.folds" in line and ">= 2" in line

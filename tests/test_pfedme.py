@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.errors import SpecError
 from pfl_core.training import batch_order, batch_starts
 from plugins.pfedme import PFedMe, PFedMeParams, moreau_step, server_step
-from harness import assert_close, assert_same, far_apart, fresh_model, model_bytes, prepared, state_of
-from test_cli import one_line_error, run_cli, write_spec
+from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
+                     refused_at_key, state_of)
 from tiny import tiny_raw
 
 RAW = {"algorithm.name": "pfedme", "model.params.hidden": [8], "experiment.rounds": 2}
@@ -228,15 +227,10 @@ def test_defaults_are_the_papers_and_a_full_run_with_coldstart_clients():
                                        ("personal_lr", float("nan")), ("beta", 0.0), ("beta", -0.5),
                                        ("beta", float("inf"))])
 def test_bad_parameters_are_refused_at_their_key(key, value):
-    with pytest.raises(SpecError) as info:
-        resolve(tiny_raw(**RAW, **{f"algorithm.params.{key}": value}))
-    assert info.value.path == f"algorithm.params.{key}"
+    refused_at_key(RAW, key, value)
 
 
 @pytest.mark.parametrize("key,value,fragment", [("beta", 0, "never moves"), ("k", 0, ">= 1"), ("lam", -2, "> 0")])
 def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys, key, value, fragment):
-    code, _, err = run_cli(capsys, write_spec(tmp_path, tiny_raw(**RAW, **{f"algorithm.params.{key}": value})),
-                           "--dry-run")
-    assert code == 2
-    line = one_line_error(err)
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**RAW, **{f"algorithm.params.{key}": value}))
     assert f"algorithm.params.{key}" in line and fragment in line
