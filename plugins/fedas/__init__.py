@@ -64,7 +64,7 @@ from pfl_core.aggregate import weighted_average
 from pfl_core.budget import LocalWork
 from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least, finite, greater_than, one_of
-from plugins.fedpac import ClassifierSplit, head_keys
+from plugins.fedpac import ClassifierSplit
 from plugins.fedproto import capture_embedding, local_prototypes
 from plugins.partial import only_training
 
@@ -141,7 +141,7 @@ class FedAS(ClassifierSplit):
     @hookimpl
     def local_train(self, ctx, client):
         model = client.model
-        body = {k for k, _ in model.named_parameters()} - set(head_keys(model))
+        body = set(ctx.server["body_keys"])  # FedPer's setup
         if self.params.align_epochs:  # (A2): theta^t alone
             store = {}
             with capture_embedding(model, store), only_training(model, body) as params:
@@ -158,9 +158,7 @@ class FedAS(ClassifierSplit):
 
     @hookimpl
     def client_upload(self, ctx, client):
-        state = client.model.state_dict()
-        head = set(head_keys(client.model))
-        message = {"body": {k: v for k, v in state.items() if k not in head}}
+        message = super().client_upload(ctx, client)  # FedPer's: the body
         if self.params.weighting == "fisher":
             message["fisher"] = client.scratch["fisher"]
         return message

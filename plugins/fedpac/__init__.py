@@ -72,13 +72,13 @@ from scipy.optimize import minimize
 from pfl_core import SpecError, hookimpl
 from pfl_core.aggregate import weighted_average
 from pfl_core.budget import LocalWork
-from pfl_core.context import load_state
+from pfl_core.context import clone_state, load_state
 from pfl_core.models.layers import layer_keys
 from pfl_core.spec import at_least, finite, greater_than
 from plugins.fedbn import model_key
 from plugins.fedper import FedPer
 from plugins.fedproto import FedProto, aggregate_prototypes, capture_embedding, local_prototypes
-from plugins.partial import clone_keys, only_training, probe_num_layers, spec_archs
+from plugins.partial import only_training, probe_num_layers, spec_archs
 
 
 @define
@@ -239,22 +239,21 @@ class FedPAC(ClassifierSplit):
         if self.params.collaborate:  # (P1)-(P2) with the received theta^t
             client.scratch["stats"] = feature_statistics(embeddings(model, data.train_x), data.train_y,
                                                          ctx.num_classes)
-        head = head_keys(model)
-        body = [k for k, _ in model.named_parameters() if k not in head]
+        head, body = set(ctx.server["head_keys"]), set(ctx.server["body_keys"])  # FedPer's setup
         metrics = {}
         if self.params.head_epochs:
-            with only_training(model, set(head)) as params:
+            with only_training(model, head) as params:
                 lr = self.params.head_lr_scale * ctx.spec.training.lr
                 metrics = client.train(epochs=self.params.head_epochs, optimizer=client.optimizer(params, lr=lr))
         epochs = self.body_epochs(ctx.spec)
         if epochs:
             client.scratch["global"] = client.scratch["centroids"]  # switches (P3) on
             try:
-                with capture_embedding(model, client.scratch), only_training(model, set(body)) as params:
+                with capture_embedding(model, client.scratch), only_training(model, body) as params:
                     metrics = client.train(epochs=epochs, optimizer=client.optimizer(params))
             finally:
                 del client.scratch["global"]
-        client.state["head"] = clone_keys(model, head)
+        self.keep_head(ctx, client)
         return metrics
 
     @hookimpl
@@ -268,13 +267,11 @@ class FedPAC(ClassifierSplit):
     def client_upload(self, ctx, client):
         model, data = client.model, client.data
         centroids, counts = local_prototypes(model, data.train_x, data.train_y, ctx.num_classes)  # (P4)
-        state = model.state_dict()
-        head = head_keys(model)
-        message = {"body": {k: v for k, v in state.items() if k not in head}, "centroids": centroids,
-                   "counts": counts}
+        message = {**super().client_upload(ctx, client), "centroids": centroids, "counts": counts}
         if self.params.collaborate:
+            state = model.state_dict()
             v, h = client.scratch["stats"]
-            message.update(head={k: state[k] for k in head}, v=v, h=h.float())
+            message.update(head={k: state[k] for k in ctx.server["head_keys"]}, v=v, h=h.float())
         return message
 
     @hookimpl
@@ -285,8 +282,7 @@ class FedPAC(ClassifierSplit):
             for i, message in uploads:
                 reports.append((message["centroids"], message["counts"]))
                 if "head" in message:
-                    collab.append((i, {k: t.detach().clone() for k, t in message["head"].items()},
-                                   message["v"], message["h"]))
+                    collab.append((i, clone_state(message["head"]), message["v"], message["h"]))
                 yield weights[i], message["body"]
 
         averaged = weighted_average(bodies())

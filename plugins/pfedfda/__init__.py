@@ -260,8 +260,7 @@ class PFedFDA(ClassifierSplit):
     @hookimpl
     def local_train(self, ctx, client):
         model = client.model
-        body = {k for k, _ in model.named_parameters()} - set(head_keys(model))
-        with only_training(model, body) as params:
+        with only_training(model, set(ctx.server["body_keys"])) as params:  # FedPer's setup
             metrics = client.train(optimizer=client.optimizer(params))
         means, cov, betas = self.adapt(ctx, client, client.scratch["global"])
         client.scratch["estimates"] = (means, cov)
@@ -270,10 +269,8 @@ class PFedFDA(ClassifierSplit):
 
     @hookimpl
     def client_upload(self, ctx, client):
-        state = client.model.state_dict()
-        head = set(head_keys(client.model))
         means, cov = client.scratch["estimates"]
-        return {"body": {k: v for k, v in state.items() if k not in head}, "means": means, "cov": cov}
+        return {**super().client_upload(ctx, client), "means": means, "cov": cov}  # FedPer's body
 
     @hookimpl
     def server_aggregate(self, ctx, uploads, weights):
