@@ -107,9 +107,8 @@ def interrupted_line(exc: BaseException) -> str:
     if round is None:
         text = f"interrupted ({name}) before training started"
     else:
-        text = (f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} "
-                f"(rounds 1..{round - 1} were logged)" if round > 1 else
-                f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} (no round was logged)")
+        logged = f"rounds 1..{round - 1} were logged" if round > 1 else "no round was logged"
+        text = f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} ({logged})"
         if exc.run_id:
             where.append(f"MLflow run {exc.run_id} (status KILLED) at {exc.tracking_uri}")
     out_dir = getattr(exc, "out_dir", None)

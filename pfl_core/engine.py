@@ -259,7 +259,7 @@ class Engine:
                 self.tracker.log_metrics(metrics, step=round)
                 progress.update(round, metrics if "acc_mean" in metrics else None)
         finally:  # a failed round leaves no half-drawn bar
-            close = getattr(progress, "close", None)
+            close = getattr(progress, "close", None)  # a stand-in progress may have none
             if close is not None:
                 close()
         final = dict(history[-1]) if history else {}

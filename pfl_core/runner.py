@@ -11,10 +11,9 @@ from typing import Any
 import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
-from .errors import PflError, SpecError
+from .errors import Interrupted, PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .errors import Interrupted
 from .tracking import begin_study, check_store, flatten, human_bytes, human_seconds, make_tracker, run_status, studied
 
 
@@ -246,8 +245,11 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
     for section in stores.values():  # a store that cannot be used is said now, before any training
         check_store(section, tracking_uri)
+    # Which reference run each point is (None: its own runs), decided once.
+    reuses = [next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None) for point in points]
+    own_points = [p for p, reused in zip(points, reuses) if reused is None]
     # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
-    top_level = len(references) + sum(not any(same_run(p, r) for _, r in references) for p in points)
+    top_level = len(references) + len(own_points)
     begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
                 tracking_uri, *study_params(points), parent=top_level > 1)
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
@@ -264,34 +266,35 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         except OSError as exc:
             raise PflError(f"--out {out_dir}: cannot write: {exc.strerror or exc}") from None
 
-    reused_points = [any(same_run(point, ref) for _, ref in references) for point in points]
-    counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references),
-                                                            *(p for p, r in zip(points, reused_points) if not r)]))
+    counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points]))
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
     partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
     reused_refs: set[int] = set()
     shown: list[PointResult] = []
+
+    def finished() -> list[PointResult]:  # the sweep points' results, then the references not among them
+        return [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
+
     try:
         for label, ref in references:
             ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter))
             print_point(ref_results[-1], out, clients)
-        for point, name in zip(points, names):
-            reused = next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
+        for point, name, reused in zip(points, names, reuses):
             if reused is not None:  # this sweep point is one of the reference runs: not run twice
                 reused_refs.add(reused)
                 results.append(attrs.evolve(ref_results[reused], name=name))
             else:
                 results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
                 print_point(results[-1], out, clients)
-        shown = [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
+        shown = finished()
         if ref_results:
             log_gains(points[0], shown, ref_results, tracking_uri)
         if len(shown) > 1:
             print_comparison(shown, compare_to, out)
     except BaseException as exc:
         if results_dir is not None:
-            done = shown or [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs), *partial]
+            done = shown or [*finished(), *partial]
             reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if str(exc) else type(exc).__name__
             try:
                 results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "

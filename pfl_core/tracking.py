@@ -62,11 +62,6 @@ class Study:
     parent: Any = None  # the study's parent run's tracker, once begun
     pending: tuple | None = None  # begin_study's arguments until the first run starts
 
-    @classmethod
-    def for_spec(cls, path: str | None, description: str = "") -> "Study":
-        note = description.strip() or (spec_header(path) if path else "")
-        return cls(note=note, git=git_tags(Path(path).resolve().parent) if path else {})
-
     def begin(self) -> None:
         """Start the parent run begin_study asked for (when the first run starts, so a failure
         before any run leaves no empty parent): the runs started from now on are its children."""
@@ -160,8 +155,8 @@ def begin_study(path: str, description: str, section, uri_override: str | None, 
     study = current_study()
     if study is None or not section.enabled:
         return
-    found = Study.for_spec(path, description)
-    study.note, study.git = found.note, found.git
+    study.note = description.strip() or (spec_header(path) if path else "")
+    study.git = git_tags(Path(path).resolve().parent) if path else {}
     if parent:
         study.pending = (section, uri_override, experiment, params, tags)
 
@@ -206,15 +201,21 @@ def git_tags(directory: Path) -> dict[str, str]:
     return out
 
 
-def artifact_root_for(uri: str) -> str | None:
-    """Where a SQLite store's artifacts go: beside the database file (``/tmp/x.db`` ->
-    ``/tmp/x-artifacts``), not MLflow's shared ``./mlruns``. None for other stores."""
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store URI; None for other stores and in-memory ones."""
     if not uri.startswith("sqlite:///"):
         return None
     path = uri[len("sqlite:///"):].split("?")[0]
-    if not path or path == ":memory:":
+    return Path(path) if path and path != ":memory:" else None
+
+
+def artifact_root_for(uri: str) -> str | None:
+    """Where a SQLite store's artifacts go: beside the database file (``/tmp/x.db`` ->
+    ``/tmp/x-artifacts``), not MLflow's shared ``./mlruns``. None for other stores."""
+    db = sqlite_file(uri)
+    if db is None:
         return None
-    db = Path(path).resolve()
+    db = db.resolve()
     return str(db.with_name(db.stem + "-artifacts"))
 
 
@@ -396,10 +397,9 @@ def _check_sqlite(uri: str) -> None:
     """Read-only look at a SQLite store (never modified here)."""
     import sqlite3
 
-    path = uri[len("sqlite:///"):].split("?")[0]
-    if not path or path == ":memory:":
+    db = sqlite_file(uri)
+    if db is None:
         return
-    db = Path(path)
     where = f"tracking.uri {uri}"
     if not db.exists():
         if not db.parent.is_dir():
