@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import torch
 
-from . import plots, registry, tomlout
+from . import registry, tomlout
 from .context import ModelBank, RunContext
 from .data.federated import build_federated_data
 from .errors import Interrupted, NonFiniteError, PflError, SpecError
@@ -302,6 +302,8 @@ class Engine:
         names = data.class_names or [str(c) for c in range(data.num_classes)]
         self.tracker.log_text(table_csv(["client", *names], [[i, *row] for i, row in enumerate(table.tolist())]),
                               "partition/partition_table.csv")
+        from . import plots  # lazily: matplotlib is slow to import and only needed to draw
+
         fig = plots.partition_figure(table, names, f"{self.spec.partition.scheme} partition, "
                                      f"{len(data.clients)} clients")
         self.tracker.log_figure(fig, "partition/partition.png")
@@ -313,6 +315,8 @@ class Engine:
             self.tracker.log_text(table_csv(list(rows[0]), [list(r.values()) for r in rows]), "results/clients.csv")
         keys = sorted({k for h in history for k in h if k.endswith("acc_mean")})
         if keys:
+            from . import plots  # lazily, as in _log_partition
+
             fig = plots.curves_figure(history, keys, "accuracy (mean over clients)", f"{self.run_name}: accuracy by round")
             self.tracker.log_figure(fig, "results/accuracy_by_round.png")
             plots.close(fig)

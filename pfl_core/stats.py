@@ -11,7 +11,6 @@ from typing import Sequence
 
 import attrs
 import numpy as np
-from scipy import stats
 
 
 @attrs.frozen
@@ -46,6 +45,8 @@ def summarize(values: Sequence[float]) -> Summary:
     if n < 2:
         return Summary(mean, math.nan, math.nan, n)
     std = float(x.std(ddof=1))
+    from scipy import stats  # lazily: about a second to import, needed only with repeat seeds
+
     ci95 = float(stats.t.ppf(0.975, df=n - 1) * std / math.sqrt(n))
     return Summary(mean, std, ci95, n)
 

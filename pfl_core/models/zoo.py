@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import torch
 import torch.nn.functional as F
-import torchvision
 from attrs import define, field
 from torch import nn
 
@@ -377,6 +376,8 @@ class ResNet18(ModelPlugin):
     Params = NoParams
 
     def build(self, input_shape, num_classes):
+        import torchvision  # lazily: it imports torch._dynamo, seconds of start-up
+
         c, h, w = self.check_shape(input_shape, num_classes)
         model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
         model.conv1 = nn.Conv2d(c, 64, kernel_size=3, stride=1, padding=1, bias=False)
@@ -404,6 +405,8 @@ class MobileNetV2(ModelPlugin):
                                metadata={"doc": "the classifier's dropout probability (torchvision's default)"})
 
     def build(self, input_shape, num_classes):
+        import torchvision  # lazily: it imports torch._dynamo, seconds of start-up
+
         c, h, w = self.check_shape(input_shape, num_classes)
         model = torchvision.models.mobilenet_v2(
             weights=None, num_classes=num_classes, width_mult=self.params.width, dropout=self.params.dropout
@@ -432,6 +435,8 @@ class SqueezeNet(ModelPlugin):
                                metadata={"doc": "dropout probability before the final convolution (torchvision's)"})
 
     def build(self, input_shape, num_classes):
+        import torchvision  # lazily: it imports torch._dynamo, seconds of start-up
+
         c, h, w = self.check_shape(input_shape, num_classes)
         model = torchvision.models.squeezenet1_1(weights=None, num_classes=num_classes, dropout=self.params.dropout)
         model.features[0] = nn.Conv2d(c, 64, kernel_size=3, stride=1, padding=1)
@@ -503,6 +508,8 @@ class VGG16(ModelPlugin):
         batch_norm: bool = field(default=False, metadata={"doc": "true: VGG-16-BN (torchvision's vgg16_bn layout)"})
 
     def build(self, input_shape, num_classes):
+        import torchvision  # lazily: it imports torch._dynamo, seconds of start-up
+
         c, h, w = self.check_shape(input_shape, num_classes)
         cfg = [v if v == "M" else _scaled(v, self.params.width) for v in torchvision.models.vgg.cfgs["D"]]
         features = torchvision.models.vgg.make_layers(cfg, batch_norm=self.params.batch_norm)
