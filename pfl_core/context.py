@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from .budget import WorkCounter
 from .errors import SpecError
 from .payload import nbytes
 from .spec import Spec
+from .store import ClientStore
 from .training import make_optimizer, reset_optimizer, run_epochs
 
 
@@ -30,27 +31,6 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
         for key, value in state.items():
             own[key].copy_(value)
     return module
-
-
-class ClientStore:
-    """Per-client state owned by the engine: one plain dict per client id.
-
-    Plugins keep personal models, supervisors, lambda histories, cluster ids here (as
-    tensors and plain values), never in attributes of their own, so the store can later be
-    checkpointed or hold only the active clients in memory.
-    """
-
-    def __init__(self, num_clients: int):
-        self._states: dict[int, dict[str, Any]] = {i: {} for i in range(num_clients)}
-
-    def __getitem__(self, client_id: int) -> dict[str, Any]:
-        return self._states[client_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._states)
-
-    def __len__(self) -> int:
-        return len(self._states)
 
 
 class ModelBank:
@@ -237,7 +217,9 @@ class RunContext:
         self.executor = executor
         self.device = device
         self.server: dict[str, Any] = {}  # engine-owned server state
-        self.store = ClientStore(len(data.clients))
+        state = getattr(spec, "state", None)  # [state]: the bounded cache of per-client state
+        self.store = ClientStore(len(data.clients), cache_clients=state.cache_clients if state else 0,
+                                 spill_dir=state.spill_dir if state else None, device=device)
         self.round = 0
         self.round_metrics: dict[str, float] = {}
         self.participants: list[int] = []

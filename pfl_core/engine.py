@@ -228,6 +228,7 @@ class Engine:
                 exc.tracking_uri = mlflow.get_tracking_uri() if mlflow is not None else None
             raise
         finally:
+            ctx.store.close()  # removes the spill folder; states in memory stay readable
             self.tracker.end(status)
 
     def _run(self, ctx: RunContext) -> RunResult:

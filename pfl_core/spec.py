@@ -311,6 +311,17 @@ class ExecutorSection:
 
 
 @define
+class StateSection:
+    # Client states kept in memory (the least recently used others are spilled to disk as
+    # safetensors files, pfl_core/store.py); 0: automatic, at most 256 states and 256 MiB of
+    # their tensors. Results do not depend on it.
+    cache_clients: int = field(default=0, validator=at_least(0))
+    # Folder in which the run's spill folder is made (and removed at the end of the run);
+    # empty: the system's temporary folder.
+    spill_dir: str = ""
+
+
+@define
 class Spec:
     data: DataSection
     partition: PartitionSection
@@ -328,6 +339,7 @@ class Spec:
     # Computed by resolve() (declared local work, pfl_core/budget.py); a value given here is
     # replaced, so a resolved spec can be run again as it is.
     budget: dict[str, Any] = field(factory=dict)
+    state: StateSection = field(factory=StateSection)
 
     def __attrs_post_init__(self):
         if self.experiment.coldstart_clients >= self.partition.num_clients:
