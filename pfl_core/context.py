@@ -137,21 +137,38 @@ class ModelBank:
 class Client:
     """One client as the hooks see it during a round (or an evaluation)."""
 
-    def __init__(self, ctx: "RunContext", client_id: int):
+    def __init__(self, ctx: "RunContext | ClientView", client_id: int, state: dict[str, Any] | None = None):
         self.ctx = ctx
         self.id = client_id
         self.round = ctx.round
         self.data = ctx.data.clients[client_id]
         self.arch = ctx.models.arch_of(client_id)
-        self.state = ctx.store[client_id]  # persists across rounds
+        # persists across rounds; a worker process gets a copy the engine writes back
+        self.state = ctx.store[client_id] if state is None else state
         self.scratch: dict[str, Any] = {}  # this round only
         self.work = WorkCounter()  # samples trained on this round (the engine logs the budget)
+        # Mini-batch steps this client may take this round over all its training loops (None:
+        # no limit; the stragglers add-on sets it) and the steps taken so far (take_batch).
+        self.batch_limit: int | None = None
+        self.batches_taken = 0
+
+    def log(self, **values: float) -> None:
+        """This client's values for this round (``client.log(alpha=0.7)``): see ``ctx.log_client``."""
+        self.ctx.log_client(self.id, **values)
 
     def count_work(self, private: int = 0, public: int = 0) -> None:
         """Record samples processed by a plugin's own training loop (``train`` counts its own):
         ``private`` over this client's train split, ``public`` over the public set."""
         self.work.private += int(private)
         self.work.public += int(public)
+
+    def take_batch(self) -> bool:
+        """Asked by every training loop before each mini-batch step: False once this round's
+        ``batch_limit`` is spent (the loop stops there), else True, and the step is counted."""
+        if self.batch_limit is not None and self.batches_taken >= self.batch_limit:
+            return False
+        self.batches_taken += 1
+        return True
 
     @property
     def model(self) -> nn.Module:
@@ -185,7 +202,9 @@ class Client:
         """Run the configured epochs of mini-batch training (default: on the train split).
 
         Every epoch is counted as work: ``work`` = "private" or "public"; by default private
-        when training on the client's train split, public otherwise (the public set)."""
+        when training on the client's train split, public otherwise (the public set). Stops
+        early when the round's ``batch_limit`` is spent (``take_batch``; a partial epoch
+        counts the samples it ran)."""
         training = self.ctx.spec.training
         model = self.model if model is None else model
         if work is None:
@@ -202,6 +221,7 @@ class Client:
             shuffle=training.shuffle,
             drop_last=training.drop_last,
             counter=lambda n: self.count_work(**{work: n}),
+            take_batch=self.take_batch,
         )
 
 
@@ -232,16 +252,17 @@ class RunContext:
         self.comm_down = 0
         self.tracker = None  # set by the engine; plugins log artifacts through it
         self.resolved_values: dict[str, Any] = {}  # ctx.resolved_value: what plugins decided at run time
+        self.client_series: list[dict] = []  # ctx.log_client rows: {"round", "client", "name", "value"}
 
         self.work_private_epochs = 0.0  # summed over clients: epochs over their private data
         self.work_public_epochs = 0.0
 
-    def record_work(self, client: Client) -> None:
+    def record_work(self, client_id: int, work: WorkCounter) -> None:
         """Add one client's round of local work (samples processed, as epochs) to the totals."""
-        self.work_private_epochs += client.work.private / max(client.num_train, 1)
+        self.work_private_epochs += work.private / max(self.data.clients[client_id].num_train, 1)
         public = self.data.public
         if public is not None and len(public.indices):
-            self.work_public_epochs += client.work.public / len(public.indices)
+            self.work_public_epochs += work.public / len(public.indices)
 
     def record_pooled_work(self, epochs: float) -> None:
         """Server-side training over every training client's pooled data (Centralized): each
@@ -264,6 +285,10 @@ class RunContext:
 
     def client(self, client_id: int) -> Client:
         return Client(self, client_id)
+
+    def client_view(self) -> "ClientView":
+        """What client-side hooks get as ``ctx`` this round (see :class:`ClientView`)."""
+        return ClientView(self)
 
     def rng(self, purpose: str) -> np.random.Generator:
         """A server-side numpy RNG for this round and purpose."""
@@ -291,7 +316,78 @@ class RunContext:
         if self.tracker is not None and hasattr(self.tracker, "log_param"):
             self.tracker.log_param(f"resolved.{name}", value)
 
+    def log_client(self, client_id: int, **values: float) -> None:
+        """Per-client values for this round (``ctx.log_client(3, alpha=0.7)``): rows of the run's
+        ``client_series`` table; only their mean, min and max over clients become metrics."""
+        for name, value in values.items():
+            self.client_series.append({"round": self.round, "client": int(client_id), "name": name,
+                                       "value": float(value)})
+
     def log(self, metrics: dict[str, float] | None = None, **more: float) -> None:
         """Extra metrics for this round (logged with the round's evaluation metrics).
         Per-client values use ``name/client_id`` keys, e.g. ``{"lambda/3": 0.7}``."""
         self.round_metrics.update(metrics or {}, **more)
+
+
+class ClientContractError(Exception):
+    """A client-side hook used something only the server has (docs/architecture.md)."""
+
+
+class ClientView:
+    """The ``ctx`` client-side hooks see: read-only run data, nothing of the server's.
+
+    ``on_receive``, ``local_train``, ``local_objective``, ``client_upload`` and the per-client
+    part of evaluation may run in another process or on another machine, so they get the
+    spec, the parsed parameters, the data, the model bank, the hooks and this round's facts,
+    but not ``server``, ``store``, ``tracker``, the byte and work counters, or round metrics:
+    what a client needs from the server comes in its message, what it keeps goes in
+    ``client.state``. Per-client values (``client.log``) and run-time resolved settings
+    (``ctx.resolved_value``) are collected here and handed back to the server with the upload.
+    """
+
+    READ_ONLY = ("spec", "params", "data", "models", "hooks", "device", "round", "participants",
+                 "training_clients", "coldstart_clients")
+
+    # Until every built-in plugin follows the contract, other names fall through to the run
+    # context (in this process only); True makes them errors.
+    STRICT = False
+
+    def __init__(self, ctx: RunContext):
+        object.__setattr__(self, "_ctx", ctx)
+        for name in self.READ_ONLY:
+            object.__setattr__(self, name, getattr(ctx, name))
+        object.__setattr__(self, "logged", [])  # (client_id, {name: value}) for the server
+        object.__setattr__(self, "resolved", [])  # (name, value) for ctx.resolved_value
+
+    num_clients = property(lambda self: len(self.data.clients))
+    num_classes = property(lambda self: self.data.num_classes)
+    rng = RunContext.rng
+    generator = RunContext.generator
+    seed_for = RunContext.seed_for
+
+    def log_client(self, client_id: int, **values: float) -> None:
+        self.logged.append((client_id, dict(values)))
+
+    def resolved_value(self, name: str, value: Any) -> None:
+        self.resolved.append((name, value))
+
+    def take_reports(self) -> tuple[list, list]:
+        """What client hooks logged and resolved since the last call (sent with the upload)."""
+        logged, resolved = list(self.logged), list(self.resolved)
+        self.logged.clear()
+        self.resolved.clear()
+        return logged, resolved
+
+    def __getattr__(self, name: str):  # only reached for names not set above
+        if not self.STRICT and not name.startswith("__"):
+            return getattr(self._ctx, name)
+        raise ClientContractError(
+            f"a client-side hook used ctx.{name}, which only the server has; send what the client "
+            f"needs in its message (on_broadcast / evaluation_message) and keep what it keeps in "
+            f"client.state (see 'The client-side contract' in docs/architecture.md)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.STRICT:
+            return setattr(self._ctx, name, value)
+        raise ClientContractError(f"a client-side hook set ctx.{name}: client hooks may change only "
+                                  f"client.state and the client's working model")

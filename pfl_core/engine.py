@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
 import io
 import json
 import time
@@ -13,17 +14,16 @@ import attrs
 import numpy as np
 import torch
 
-from . import registry, tomlout
-from .context import ModelBank, RunContext
+from . import checkpoint, executors, registry
+from .context import Client, ModelBank, RunContext
 from .data.federated import build_federated_data
 from .errors import Interrupted, NonFiniteError, PflError, SpecError
-from .evaluation import evaluate_clients
-from .executors import make_executor
+from .evaluation import coldstart_models, evaluate_clients
 from .payload import nbytes
 from .registry import Plugin
 from .seeding import numpy_rng
-from .spec import Spec, structure, unstructure
-from .tracking import NullTracker, Progress, flatten, one_line, run_status, status_line
+from .spec import Spec, dump_toml, structure, unstructure
+from .tracking import NullTracker, Progress, flatten, log_accuracy_distribution, one_line, run_status, status_line
 
 
 @attrs.define
@@ -39,7 +39,7 @@ class Resolved:
         return self.plugins[-1]
 
     def toml(self) -> str:
-        return tomlout.dumps(self.as_dict)
+        return dump_toml(self.as_dict)
 
 
 def resolve(raw: dict) -> Resolved:
@@ -122,8 +122,6 @@ class Engine:
         """Load and partition the data, build the plugin manager and the run context."""
         spec = self.spec
         torch.set_flush_denormal(True)  # denormals slowed small CNNs 4-6x on CPU
-        if spec.executor.threads:
-            torch.set_num_threads(spec.executor.threads)
         device = pick_device(spec.executor.device)
         status_line(f"{self.progress_label}: loading {spec.data.name} and partitioning it "
                     f"({spec.partition.scheme}, {spec.partition.num_clients} clients) ...", self.show_progress)
@@ -131,7 +129,7 @@ class Engine:
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
-                         make_executor(spec.executor), device)
+                         self._make_executor(data, device), device)
         ctx.tracker = self.tracker
         held_out = spec.experiment.coldstart_clients
         if held_out:
@@ -140,38 +138,64 @@ class Engine:
             ctx.training_clients = [i for i in range(ctx.num_clients) if i not in ctx.coldstart_clients]
         return ctx
 
+    def _make_executor(self, data, device: torch.device):
+        """The spec's executor, ``auto`` resolved for this machine and this run's round size."""
+        spec = self.spec
+        per_round = max(1, round(spec.experiment.participation * len(data.clients)))
+        mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
+        name, workers, threads = executors.plan(spec.executor, device.type, per_round,
+                                                mean_samples * max(spec.training.local_epochs, 1))
+        torch.set_num_threads(threads)
+        self.executor_plan = {"executor": name, "workers": workers if name != "sequential" else 1, "threads": threads}
+        return executors.make_executor(name, workers, threads, spec.executor.retries)
+
     # -- one round --------------------------------------------------------------------
 
-    def _run_client(self, ctx: RunContext, client_id: int, skip: bool = False) -> tuple[int, dict | None]:
-        """One client's round. ``skip`` (``training.on_nonfinite = "skip_client"``): a non-finite
-        loss or upload restores the client's state to before the round and returns
-        ``(client_id, None)``; the upload returned is a copy (the round's uploads are kept
-        until all clients ran)."""
-        hooks = ctx.hooks
-        torch.manual_seed(ctx.seed_for("client", client_id))  # dropout etc.: order-independent
-        message = ctx.broadcast(client_id)
-        client = ctx.client(client_id)
-        before = _copy_payload(dict(client.state)) if skip else None
-        losses = len(ctx.train_losses)
-        try:
-            hooks.on_receive(ctx=ctx, client=client, message=message)
-            train_metrics = hooks.local_train(ctx=ctx, client=client)
-            if train_metrics and "train_loss" in train_metrics:
-                ctx.train_losses.append(train_metrics["train_loss"])
-            upload = hooks.client_upload(ctx=ctx, client=client)
-            check_finite(upload)
-        except NonFiniteError as exc:
-            if skip:
-                client.state.clear()
-                client.state.update(before)
-                del ctx.train_losses[losses:]
+    def _client_results(self, ctx: RunContext, participants: list[int], skip: bool = False) -> Iterator:
+        """Run the participants' client side through the executor; yield ``(client_id, upload)``
+        in participant order, as the sequential loop would, the server's bookkeeping done.
+
+        Server side, in this process: the broadcast (bytes counted down) as each client is
+        handed to the executor, then, as each result comes back, the client's new state, its
+        bytes up, work, training loss and per-client values. The client side (``run_client``)
+        sees only a :class:`ClientView`, so any executor can run it. ``skip``
+        (``training.on_nonfinite = "skip_client"``): a diverged client's state stays as before
+        the round and its upload is None; every upload yielded is then a copy."""
+        view = ctx.client_view()
+        executor = ctx.executor
+
+        def tasks():
+            for client_id in participants:
+                message = ctx.broadcast(client_id)
+                # a process executor sends the state and returns the new one; in this process
+                # the client works on the live state
+                yield ClientTask(ctx.round, client_id, message, ctx.store[client_id], skip)
+
+        for result in executor.map(functools.partial(run_client, view), tasks()):
+            yield self._absorb(ctx, result)
+
+    def _absorb(self, ctx: RunContext, result: "ClientResult") -> tuple[int, dict | None]:
+        """The server's side of one finished client (see ``_client_results``)."""
+        client_id = result.client_id
+        live = ctx.store[client_id]
+        if live is not result.state:  # came back from another process
+            live.clear()
+            live.update(result.state)
+        for name, value in result.resolved:
+            ctx.resolved_value(name, value)
+        if result.diverged is not None:
+            if result.upload is None and self.spec.training.on_nonfinite == "skip_client":
                 return client_id, None
-            raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: {exc}; "
-                                 f"training diverged: lower training.lr (now {self.spec.training.lr}) or set "
-                                 f"training.on_nonfinite = \"skip_client\"") from None
-        ctx.comm_up += nbytes(upload)
-        ctx.record_work(client)
-        return client_id, (_copy_payload(upload) if skip else upload)
+            raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: "
+                                 f"{result.diverged}; training diverged: lower training.lr (now {self.spec.training.lr}) "
+                                 f"or set training.on_nonfinite = \"skip_client\"")
+        if result.train_loss is not None:
+            ctx.train_losses.append(result.train_loss)
+        for logged_id, values in result.logged:
+            ctx.log_client(logged_id, **values)
+        ctx.comm_up += nbytes(result.upload)
+        ctx.record_work(client_id, result.work)
+        return client_id, result.upload
 
     def run_round(self, ctx: RunContext, round: int) -> None:
         hooks = ctx.hooks
@@ -181,19 +205,27 @@ class Engine:
         ctx.train_losses = []
         hooks.on_round_start(ctx=ctx, round=round, participants=participants)
         weights = hooks.client_weighting(ctx=ctx, participants=participants)
-        if self.spec.training.on_nonfinite == "skip_client":
-            # Every client first (a diverged one is only known once it ran), then the aggregate
-            # of the others, their weights renormalised; nobody left: the server state stays.
-            done = list(ctx.executor.map(lambda i: self._run_client(ctx, i, skip=True), participants))
-            kept = [(i, upload) for i, upload in done if upload is not None]
-            ctx.round_metrics["skipped_clients"] = float(len(done) - len(kept))
+        skip = self.spec.training.on_nonfinite == "skip_client"
+        if skip or hooks.upload_lost.get_hookimpls():
+            # Every client first (a diverged or lost upload is only known once it ran), then the
+            # aggregate of the arrivals, their weights renormalised; none: the server state stays.
+            kept, skipped = [], 0
+            for i, upload in self._client_results(ctx, participants, skip=skip):
+                if upload is None:
+                    skipped += 1
+                elif any(hooks.upload_lost(ctx=ctx, client_id=i)):
+                    ctx.comm_up -= nbytes(upload)  # never received: not counted up
+                else:  # kept past the next client: a copy (skip's uploads are copies already)
+                    kept.append((i, upload if skip else _copy_payload(upload)))
+            if skip:
+                ctx.round_metrics["skipped_clients"] = float(skipped)
             if kept:
-                if len(kept) < len(done):
+                if len(kept) < len(participants):
                     total = sum(weights[i] for i, _ in kept)
                     weights = {i: (weights[i] / total if total else 1.0 / len(kept)) for i, _ in kept}
                 hooks.server_aggregate(ctx=ctx, uploads=iter(kept), weights=weights)
         else:
-            uploads: Iterator = ctx.executor.map(lambda i: self._run_client(ctx, i), participants)
+            uploads: Iterator = self._client_results(ctx, participants)
             hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=weights)
             for _ in uploads:  # clients the aggregate did not consume still train
                 pass
@@ -205,15 +237,21 @@ class Engine:
 
     # -- the run ----------------------------------------------------------------------
 
-    def run(self) -> RunResult:
+    def run(self, resume: checkpoint.Loaded | None = None) -> RunResult:
+        """Run every round; ``resume``: continue from a checkpoint (its MLflow run, its state)."""
         spec = self.spec
         started = time.perf_counter()
         ctx = self.ctx = self.prepare()  # kept for inspection after the run
-        tags = {"algorithm": spec.algorithm.name, "pfl.version": _version(), **spec.tracking.tags}
-        self.tracker.start(spec.tracking.experiment or spec.experiment.name, self.run_name,
-                           flatten(self.resolved.as_dict), tags)
+        self.resume = resume
+        if resume is not None and resume.state.get("run_id") and hasattr(self.tracker, "resume"):
+            self.tracker.resume(resume.state["run_id"])
+        else:
+            tags = {"algorithm": spec.algorithm.name, "pfl.version": _version(), **spec.tracking.tags}
+            self.tracker.start(spec.tracking.experiment or spec.experiment.name, self.run_name,
+                               flatten(self.resolved.as_dict), tags)
         status = "FAILED"
         try:
+            self.checkpointer = checkpoint.checkpointer_for(self, resume)
             result = self._run(ctx)
             status = "FINISHED"
             result.run_id = self.tracker.run_id
@@ -226,6 +264,7 @@ class Engine:
                 exc.run_id = self.tracker.run_id
                 mlflow = getattr(self.tracker, "mlflow", None)
                 exc.tracking_uri = mlflow.get_tracking_uri() if mlflow is not None else None
+                exc.resume = checkpoint.resume_command(self)
             raise
         finally:
             ctx.store.close()  # removes the spill folder; states in memory stay readable
@@ -238,11 +277,16 @@ class Engine:
         progress = Progress(spec.experiment.rounds, self.progress_label, enabled=self.show_progress)
         history: list[dict] = []
         rows: list[dict] = []
+        done = 0  # rounds a resumed run's checkpoint holds
+        if self.resume is not None:  # after setup: the checkpoint's state replaces the initial one
+            done, history, rows = checkpoint.restore(ctx, self.resume)
+            progress.update(done)
         try:
-            for round in range(1, spec.experiment.rounds + 1):
+            for round in range(done + 1, spec.experiment.rounds + 1):
                 ctx.round_metrics = {}
                 started = time.perf_counter()
                 self.run_round(ctx, round)
+                ctx.round_metrics = {**client_aggregates(ctx.client_series, round), **ctx.round_metrics}
                 metrics = {
                     "round_seconds": time.perf_counter() - started,
                     "comm_up_bytes": float(ctx.comm_up),
@@ -259,6 +303,10 @@ class Engine:
                     history.append({"round": round, **metrics})
                 self.tracker.log_metrics(metrics, step=round)
                 progress.update(round, metrics if "acc_mean" in metrics else None)
+                self.checkpointer.after_round(ctx, round, history, rows)
+        except Interrupted:  # between rounds: the completed round's checkpoint, if not yet written
+            self.checkpointer.on_interrupt(ctx, history, rows)
+            raise
         finally:  # a failed round leaves no half-drawn bar
             close = getattr(progress, "close", None)  # a stand-in progress may have none
             if close is not None:
@@ -281,18 +329,15 @@ class Engine:
                 self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
                 rows = ([{**row, "coldstart": False} for row in rows]
                         + [{**row, "coldstart": True} for row in coldstart_rows])
-        self._log_results(history, rows)
+        self._log_results(rows, ctx.client_series)
         final.pop("round", None)
         return RunResult(history=history, client_rows=rows, final=final, errors=errors)
 
     def _evaluate_coldstart(self, ctx: RunContext) -> tuple[dict[str, float], list[dict]]:
-        """Personalise each held-out client from the final state, then score it."""
-
-        def personalize(client):
-            torch.manual_seed(ctx.seed_for("coldstart", client.id))
-            return ctx.hooks.coldstart_personalize(ctx=ctx, client=client)
-
-        return evaluate_clients(ctx, client_ids=ctx.coldstart_clients, models_for=personalize, prefix="coldstart_")
+        """Personalise each held-out client from the final state (its broadcast, then
+        ``coldstart_personalize``: ``evaluation.coldstart_models``), then score it."""
+        return evaluate_clients(ctx, client_ids=ctx.coldstart_clients,
+                                models_for=lambda client: coldstart_models(ctx, client), prefix="coldstart_")
 
     # -- artifacts --------------------------------------------------------------------
 
@@ -311,16 +356,89 @@ class Engine:
         plots.close(fig)
         self.tracker.log_text(json.dumps(data.indices_artifact()), "partition/indices.json")
 
-    def _log_results(self, history: list[dict], rows: list[dict]) -> None:
+    def _log_results(self, rows: list[dict], series: list[dict]) -> None:
+        """The final per-client results, the per-client series as one table (``client.log``:
+        its aggregates are the metrics) and the final accuracy's spread over the clients (the
+        picture MLflow's charts cannot draw; they draw the metrics by round)."""
         if rows:
             self.tracker.log_text(table_csv(list(rows[0]), [list(r.values()) for r in rows]), "results/clients.csv")
-        keys = sorted({k for h in history for k in h if k.endswith("acc_mean")})
-        if keys:
-            from . import plots  # lazily, as in _log_partition
+        if series:
+            self.tracker.log_text(table_csv(list(SERIES_COLUMNS), [[r[k] for k in SERIES_COLUMNS] for r in series]),
+                                  "results/client_series.csv")
+        log_accuracy_distribution(self.tracker, [(self.run_name, rows)], f"{self.run_name}: final accuracy per client")
 
-            fig = plots.curves_figure(history, keys, "accuracy (mean over clients)", f"{self.run_name}: accuracy by round")
-            self.tracker.log_figure(fig, "results/accuracy_by_round.png")
-            plots.close(fig)
+
+@attrs.define
+class ClientTask:
+    """One participant's work item: what the server hands an executor."""
+
+    round: int
+    client_id: int
+    message: dict
+    state: dict
+    skip: bool = False  # training.on_nonfinite = "skip_client"
+
+    def __str__(self) -> str:  # how a failed item is named in errors
+        return f"client {self.client_id} in round {self.round}"
+
+
+@attrs.define
+class ClientResult:
+    """What comes back from one participant: its upload and what the server must record."""
+
+    client_id: int
+    upload: dict | None
+    state: dict
+    work: Any
+    train_loss: float | None = None
+    logged: list = attrs.Factory(list)  # client.log(...) calls: (client_id, {name: value})
+    resolved: list = attrs.Factory(list)  # ctx.resolved_value(...) calls
+    diverged: str | None = None  # the NonFiniteError's text
+
+
+def run_client(view, task: ClientTask) -> ClientResult:
+    """The client side of a round: receive, train, upload. Runs wherever the executor puts it,
+    touching only the task (message and the client's state) and the read-only ``view``."""
+    hooks = view.hooks
+    torch.manual_seed(view.seed_for("client", task.client_id))  # dropout etc.: order-independent
+    client = Client(view, task.client_id, state=task.state)
+    before = _copy_payload(dict(client.state)) if task.skip else None
+    upload, train_loss, diverged = None, None, None
+    try:
+        hooks.on_receive(ctx=view, client=client, message=task.message)
+        train_metrics = hooks.local_train(ctx=view, client=client)
+        if train_metrics and "train_loss" in train_metrics:
+            train_loss = float(train_metrics["train_loss"])
+        upload = hooks.client_upload(ctx=view, client=client)
+        check_finite(upload)
+    except NonFiniteError as exc:
+        diverged = str(exc)
+        upload = None
+        if task.skip:  # the round never happened for this client
+            client.state.clear()
+            client.state.update(before)
+    if task.skip and upload is not None:
+        upload = _copy_payload(upload)  # kept until every client ran
+    logged, resolved = view.take_reports()
+    return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged)
+
+
+SERIES_COLUMNS = ("round", "client", "name", "value")  # a row of RunContext.client_series
+
+
+def client_aggregates(series: list[dict], round: int) -> dict[str, float]:
+    """``<name>_mean``, ``_min`` and ``_max`` over the clients of ``round``'s rows of the
+    per-client series (rows are appended in round order: this round's are at the end)."""
+    values: dict[str, list[float]] = {}
+    for row in reversed(series):
+        if row["round"] != round:
+            break
+        values.setdefault(row["name"], []).append(row["value"])
+    out = {}
+    for name, vs in values.items():
+        out.update({f"{name}_mean": float(np.mean(vs)), f"{name}_min": float(np.min(vs)),
+                    f"{name}_max": float(np.max(vs))})
+    return out
 
 
 def check_finite(payload) -> None:

@@ -304,10 +304,31 @@ class TrackingSection:
 
 @define
 class ExecutorSection:
-    name: str = field(default="sequential", validator=one_of("sequential"))
+    # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
+    # sequential (pfl_core/executors.py: plan). Every executor gives bit-identical results.
+    name: str = field(default="auto", validator=one_of("auto", "sequential", "process"))
     device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
-    # torch intra-op threads; 0 keeps torch's default.
+    # torch intra-op threads per process; 0 = 1 (more threads per process oversubscribe the
+    # cores of a shared or parallel machine).
     threads: int = field(default=0, validator=at_least(0))
+    # worker processes (process executor); left out: one per available core.
+    workers: Optional[int] = field(default=None, validator=at_least(1))
+    # times a client whose worker process died is run again before the run stops
+    retries: int = field(default=1, validator=at_least(0))
+
+
+@define
+class CheckpointSection:
+    enabled: bool = True
+    # Rounds between checkpoints; 0: automatic, the shortest period whose writes cost under 5%
+    # of the run time (measured: the last write's time against the mean round time).
+    every: int = field(default=0, validator=at_least(0))
+    # Folder under which each run gets its own folder (named by its MLflow run id); empty:
+    # ``checkpoints/`` beside the SQLite tracking store (the working directory for a server).
+    # Without tracking and without a folder, nothing is checkpointed.
+    dir: str = ""
+    # How many checkpoints each run keeps (the older ones are deleted).
+    keep: int = field(default=2, validator=at_least(1))
 
 
 @define
@@ -339,6 +360,7 @@ class Spec:
     # Computed by resolve() (declared local work, pfl_core/budget.py); a value given here is
     # replaced, so a resolved spec can be run again as it is.
     budget: dict[str, Any] = field(factory=dict)
+    checkpoint: CheckpointSection = field(factory=CheckpointSection)
     state: StateSection = field(factory=StateSection)
 
     def __attrs_post_init__(self):
@@ -509,6 +531,22 @@ def load_toml(path: str | Path) -> dict:
         raise _too_deep_to_read(sys.exc_info()[2], f"in {path}") from None
     check_nesting(raw)
     return raw
+
+
+def dump_toml(data: dict) -> str:
+    """TOML text for a spec dict (tomli-w), read back by :func:`load_toml` as the same dict.
+    Keys whose value is None are left out: TOML has no null, and a missing key takes its
+    default, which is what None stands for in a resolved spec."""
+    import tomli_w
+
+    def without_none(value):
+        if isinstance(value, dict):
+            return {k: without_none(v) for k, v in value.items() if v is not None}
+        if isinstance(value, (list, tuple)):
+            return [without_none(v) for v in value]
+        return value
+
+    return tomli_w.dumps(without_none(data))
 
 
 def _too_deep_to_read(tb, where: str) -> SpecError:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pfl_core import registry
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from test_cli import one_line_error, run_cli, write_spec
@@ -142,3 +143,21 @@ def dry_run_error(tmp_path, capsys, raw) -> str:
     code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
     assert code == 2
     return one_line_error(err)
+
+
+# -- every built-in method on tiny data ------------------------------------------------------
+
+# What each built-in algorithm needs beyond tiny.TINY to run (a public set, a server model ...).
+PUBLIC = {"public.size": 40}
+NEEDS = {
+    "fedmosaic": PUBLIC, "fedct": PUBLIC, "comet": PUBLIC, "perfed_ckt": PUBLIC, "cosmos": {**PUBLIC, "algorithm.params": {"server_arch": "mlp"}},
+    "fedmd": {**PUBLIC, "public.labelled": True},
+    "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
+    "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
+}
+
+
+def builtin_algorithms():
+    """The algorithms pfl itself ships (not third-party plugins installed beside it)."""
+    return [name for name in registry.names_of_kind(registry.ALGORITHM)
+            if registry.discovered()[name].distribution == "pfl"]

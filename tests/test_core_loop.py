@@ -9,6 +9,7 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.registry import make_plugin_manager
 from pfl_core.training import batch_starts, run_epochs
+from harness import NEEDS, builtin_algorithms
 from tiny import tiny_raw
 
 
@@ -79,20 +80,6 @@ def test_drop_last_is_the_default_used_by_client_training():
 
 
 # -- the local-work budget: declared == measured, for every built-in method ------------------
-
-PUBLIC = {"public.size": 40}
-NEEDS = {
-    "fedmosaic": PUBLIC, "fedct": PUBLIC, "comet": PUBLIC, "perfed_ckt": PUBLIC, "cosmos": {**PUBLIC, "algorithm.params": {"server_arch": "mlp"}},
-    "fedmd": {**PUBLIC, "public.labelled": True},
-    "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
-    "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
-}
-
-
-def builtin_algorithms():
-    return [name for name in registry.names_of_kind(registry.ALGORITHM)
-            if registry.discovered()[name].distribution == "pfl"]
-
 
 @pytest.mark.parametrize("name", builtin_algorithms())
 def test_measured_private_epochs_equal_the_declared_budget(name):

@@ -58,14 +58,14 @@ def trained_uploads(raw):
     """Each client's round-1 upload in a clean run (client seeds do not depend on the others)."""
     engine = Engine(resolve(raw), progress=False)
     uploads = {}
-    original = engine._run_client
+    original = engine._absorb
 
-    def record(ctx, i, *args, **kwargs):
-        i, upload = original(ctx, i, *args, **kwargs)
+    def record(ctx, result):
+        i, upload = original(ctx, result)
         uploads[i] = {k: v.detach().clone() for k, v in upload["weights"].items()}
         return i, upload
 
-    engine._run_client = record
+    engine._absorb = record
     engine.run()
     return uploads, engine.ctx
 
