@@ -24,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Run the experiment a TOML spec describes.")
-    parser.add_argument("spec", help="path to the experiment's TOML spec")
+    parser.add_argument("spec", nargs="?", help="path to the experiment's TOML spec (optional with --resume)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec field by its dotted key (TOML value syntax); repeatable")
     parser.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
@@ -42,6 +42,9 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--clients", action="store_true", help="also print each run's per-client table")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar, no loading line, no locations: only the run summaries and the comparison")
+    parser.add_argument("--resume", metavar="PATH_OR_RUN_ID", default=None,
+                        help="continue a run from its last good checkpoint (a checkpoint folder, or the MLflow run "
+                             "id, in the same MLflow run); with SPEC, the spec must be the run's")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
     return parser
 
@@ -50,15 +53,28 @@ REPORT_TO = "please report it, with the command and the spec, to the pfl maintai
 
 
 def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
-    args = _run_parser(prog).parse_args(argv)
+    parser = _run_parser(prog)
+    args = parser.parse_args(argv)
+    if args.resume is None and args.spec is None:
+        parser.error("the following arguments are required: spec")
+    if args.resume is not None:
+        clash = [flag for flag, given in (("--dry-run", args.dry_run), ("--sweep", args.sweeps),
+                                          ("--no-sweep", args.no_sweep), ("--out", args.out),
+                                          ("--no-tracking", args.no_tracking)) if given]
+        if clash:
+            parser.error(f"--resume continues one run as it was started; it does not take {', '.join(clash)}")
     previous = _catch_signals()
     try:
-        from .runner import run_spec_file
+        from .runner import resume_run, run_spec_file
 
-        results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
-                                no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
-                                no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
-                                clients=args.clients)
+        if args.resume is not None:
+            results = resume_run(args.resume, args.spec, args.overrides, tracking_uri=args.tracking_uri,
+                                 quiet=args.quiet, clients=args.clients)
+        else:
+            results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
+                                    no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
+                                    no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
+                                    clients=args.clients)
     except PflError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -114,7 +130,9 @@ def interrupted_line(exc: BaseException) -> str:
     out_dir = getattr(exc, "out_dir", None)
     if out_dir:
         where.append(f"the runs that finished in {out_dir}/ (marked INCOMPLETE)")
-    return f"{text}; results: {', '.join(where)}" if where else f"{text}; nothing of it was tracked"
+    line = f"{text}; results: {', '.join(where)}" if where else f"{text}; nothing of it was tracked"
+    resume = getattr(exc, "resume", None)
+    return f"{line}; continue it with: {resume}" if resume else line
 
 
 def plugins_main(name: str | None = None) -> int:

@@ -308,7 +308,25 @@ class MlflowTracker(NullTracker):
         for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             mlflow.log_params(dict(items[start : start + 100]))
 
+    def resume(self, run_id: str) -> None:
+        """Continue run ``run_id`` (``pfl-run --resume``): the metrics it already holds, logged
+        after its checkpoint and before it stopped, are not logged again (they are identical)."""
+        mlflow = self.mlflow
+        try:
+            run = mlflow.start_run(run_id=run_id)
+            client = mlflow.MlflowClient()
+            self.logged = {(key, m.step) for key in run.data.metrics for m in client.get_metric_history(run_id, key)}
+        except Exception as exc:
+            raise PflError(f"--resume: MLflow run {run_id} cannot be continued at {mlflow.get_tracking_uri()}: "
+                           f"{one_line(exc)}") from None
+        self.run_id = run_id
+
     def log_metrics(self, metrics, step):
+        logged = getattr(self, "logged", None)
+        if logged:
+            metrics = {k: v for k, v in metrics.items() if (k, step) not in logged}
+            if not metrics:
+                return
         self.mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
     def log_text(self, text, filename):

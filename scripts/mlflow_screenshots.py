@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Screenshots of the MLflow UI on a pfl sweep, taken with headless Chromium (a script, not a test).
+
+Runs a sweep (``pfl-run SPEC --quiet``) into a new SQLite store in a temporary folder, starts
+``mlflow ui`` on that store on a free port (waits until ``/health`` answers; always stops it at
+the end), finds the study's top-level runs with ``mlflow.MlflowClient`` and saves, in OUT:
+
+- ``mlflow-runs-chart.png``: the experiment's **Runs** page in chart view, listing the sweep's
+  runs (the study parent's children, shown flat and sorted by ``acc_mean``);
+- ``mlflow-compare.png``: the **compare-runs** page of the same runs (parallel coordinates,
+  run details, parameters, metrics).
+
+The UI addresses (MLflow 3.17):
+
+    /#/experiments/<id>/runs?workflowType=machine_learning&compareRunsMode=CHART
+        &searchFilter=tags.mlflow.parentRunId = '<study parent>'&orderByKey=metrics.`acc_mean`
+    /#/compare-runs?runs=["<id>", ...]&experiments=["<experiment id>"]
+
+``workflowType=machine_learning`` is needed because MLflow 3.17's UI chooses between its GenAI
+and model-training views from the browser's own setting (GenAI in a new browser), not from the
+experiment's ``mlflow.experimentKind`` tag. The runs table nests children under their parent
+(collapsed) unless it is filtered and sorted by something other than the start time; the
+filter and sort above show the sweep's runs themselves.
+
+    python scripts/mlflow_screenshots.py docs/images                           # the quickstart
+    python scripts/mlflow_screenshots.py /tmp/shots --spec my.toml --set experiment.rounds=2
+    python scripts/mlflow_screenshots.py /tmp/shots --dump-dom                 # also the pages' DOM
+
+Needs ``chromium`` (or ``chromium-browser``) on PATH, or ``--browser PATH``. Prints where the
+pictures are. Exit status 1 (with the reason) when the sweep, the UI or the browser fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BROWSER_NAMES = ("chromium", "chromium-browser")
+CHART_PICTURE = "mlflow-runs-chart.png"
+COMPARE_PICTURE = "mlflow-compare.png"
+# Chromium's virtual time runs far ahead of the wall clock while the page is idle; the runs
+# charts need a long budget before they stop showing spinners (15 s of it is not enough).
+VIRTUAL_TIME_BUDGET_MS = 120_000
+
+
+def note(message: str, started: float) -> None:
+    print(f"-- {message} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+
+
+class ScreenshotError(RuntimeError):
+    """A step failed: the message says which and why."""
+
+
+def find_browser(explicit: str | None = None) -> str | None:
+    """The headless-capable Chromium to use: ``explicit``, else the first of BROWSER_NAMES on PATH."""
+    if explicit:
+        return explicit
+    for name in BROWSER_NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_sweep(spec: Path, overrides: list[str], tracking_uri: str, timeout_s: float) -> None:
+    command = [str(BIN / "pfl-run"), str(spec), "--quiet", "--tracking-uri", tracking_uri]
+    for override in overrides:
+        command += ["--set", override]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if proc.returncode != 0:
+        raise ScreenshotError(f"the sweep failed (exit {proc.returncode}): {' '.join(command)}\n"
+                              f"{proc.stderr.strip()[-2000:]}")
+
+
+def study_runs(tracking_uri: str) -> tuple[str, str, list]:
+    """(experiment id, study parent run id, the parent's child runs) of the only study in the store."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    experiments = [e for e in client.search_experiments() if client.search_runs([e.experiment_id], max_results=1)]
+    if len(experiments) != 1:
+        raise ScreenshotError(f"expected the runs of one experiment in {tracking_uri}, found {len(experiments)}")
+    experiment_id = experiments[0].experiment_id
+    runs = client.search_runs([experiment_id], max_results=1000)
+    top_level = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    if len(top_level) != 1:
+        raise ScreenshotError(f"expected one study parent run, found {len(top_level)} top-level runs "
+                              "(the spec needs a [sweep] with at least two points)")
+    parent_id = top_level[0].info.run_id
+    children = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent_id]
+    if len(children) < 2:
+        raise ScreenshotError(f"the study parent {parent_id} has {len(children)} child runs; need 2 or more")
+    return experiment_id, parent_id, children
+
+
+def runs_chart_url(base: str, experiment_id: str, parent_id: str) -> str:
+    query = urllib.parse.urlencode({
+        "workflowType": "machine_learning",
+        "compareRunsMode": "CHART",
+        "searchFilter": f"tags.mlflow.parentRunId = '{parent_id}'",
+        "orderByKey": "metrics.`acc_mean`",
+        "orderByAsc": "false",
+    }, quote_via=urllib.parse.quote)
+    return f"{base}/#/experiments/{experiment_id}/runs?{query}"
+
+
+def compare_url(base: str, experiment_id: str, run_ids: list[str]) -> str:
+    query = urllib.parse.urlencode({
+        "runs": json.dumps(run_ids),
+        "experiments": json.dumps([experiment_id]),
+        "workflowType": "machine_learning",
+    }, quote_via=urllib.parse.quote)
+    return f"{base}/#/compare-runs?{query}"
+
+
+def wait_until_up(base: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise ScreenshotError(f"mlflow ui exited with status {server.returncode} before answering")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise ScreenshotError(f"mlflow ui did not answer on {base}/health within {timeout_s:.0f} s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Stop ``mlflow ui`` and its workers (its own process group, started by us)."""
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def browse(browser: str, url: str, window: tuple[int, int], output: list[str], timeout_s: float) -> str:
+    """Run headless Chromium on ``url`` with the output flags given; returns its stdout."""
+    with tempfile.TemporaryDirectory(prefix="pfl-chromium-") as profile:
+        command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                   "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
+                   f"--window-size={window[0]},{window[1]}", "--hide-scrollbars",
+                   f"--virtual-time-budget={VIRTUAL_TIME_BUDGET_MS}", *output, url]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise ScreenshotError(f"{browser} failed (exit {proc.returncode}) on {url}:\n{proc.stderr.strip()[-2000:]}")
+    return proc.stdout
+
+
+def screenshot(browser: str, url: str, path: Path, window: tuple[int, int], dump_dom: bool, timeout_s: float) -> None:
+    browse(browser, url, window, [f"--screenshot={path}"], timeout_s)
+    if not path.is_file():
+        raise ScreenshotError(f"{browser} wrote no picture for {url}")
+    if dump_dom:
+        path.with_suffix(".html").write_text(browse(browser, url, window, ["--dump-dom"], timeout_s))
+
+
+def window_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTH,HEIGHT, got {text!r}") from None
+    return width, height
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder for the pictures (created if absent; same-named files replaced)")
+    parser.add_argument("--spec", type=Path, default=REPO / "specs" / "quickstart.toml",
+                        help="a spec with a [sweep] (default: specs/quickstart.toml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to pfl-run --set; repeatable")
+    parser.add_argument("--window-size", type=window_size, default=(1600, 1000), metavar="W,H",
+                        help="browser window of the runs chart view (default 1600,1000)")
+    parser.add_argument("--compare-window-size", type=window_size, default=(1600, 2000), metavar="W,H",
+                        help="browser window of the compare view, tall enough for its metrics (default 1600,2000)")
+    parser.add_argument("--browser", help="Chromium executable (default: chromium or chromium-browser on PATH)")
+    parser.add_argument("--dump-dom", action="store_true", help="also write each page's DOM beside its picture (.html)")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds allowed for each step (default 180)")
+    args = parser.parse_args(argv)
+
+    browser = find_browser(args.browser)
+    if browser is None:
+        print(f"mlflow_screenshots: error: none of {', '.join(BROWSER_NAMES)} is on PATH (or give --browser)",
+              file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pfl-mlflow-ui-") as tmp:
+            tracking_uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
+            started = time.monotonic()
+            run_sweep(args.spec, args.overrides, tracking_uri, args.timeout)
+            note(f"sweep {args.spec} logged to {tracking_uri}", started)
+            experiment_id, parent_id, children = study_runs(tracking_uri)
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            server = subprocess.Popen(
+                [str(BIN / "mlflow"), "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1",
+                 "--port", str(port), "--workers", "1"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                started = time.monotonic()
+                wait_until_up(base, server, args.timeout)
+                note(f"mlflow ui answers on {base}", started)
+                pictures = [
+                    (args.out / CHART_PICTURE, runs_chart_url(base, experiment_id, parent_id), args.window_size),
+                    (args.out / COMPARE_PICTURE, compare_url(base, experiment_id, [run.info.run_id for run in children]),
+                     args.compare_window_size),
+                ]
+                for path, url, window in pictures:
+                    started = time.monotonic()
+                    screenshot(browser, url, path, window, args.dump_dom, args.timeout)
+                    note(f"{path.name} taken", started)
+                    print(f"{path}  ({window[0]}x{window[1]}, {url.replace(base, '')})")
+            finally:
+                stop(server)
+    except (ScreenshotError, subprocess.TimeoutExpired) as error:
+        print(f"mlflow_screenshots: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
