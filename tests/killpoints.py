@@ -43,17 +43,20 @@ def arm(point: str) -> None:
 
         engine.Engine.run_round = patched_round
     elif kind == "train":
-        take_batch = context.Client.take_batch
+        # every training loop asks take_batch before each mini-batch step (without it, an older
+        # core: count_work, told after each epoch)
+        name = "take_batch" if hasattr(context.Client, "take_batch") else "count_work"
+        original = getattr(context.Client, name)
         taken = [0]
 
-        def patched_take_batch(self):
+        def patched(self, *args, **kwargs):
             if self.round == numbers[0]:
                 taken[0] += 1
                 if taken[0] == numbers[1]:
                     _kill()
-            return take_batch(self)
+            return original(self, *args, **kwargs)
 
-        context.Client.take_batch = patched_take_batch
+        setattr(context.Client, name, patched)
     elif kind == "eval":
         evaluate = engine.evaluate_clients
 
