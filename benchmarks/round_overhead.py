@@ -61,7 +61,12 @@ IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 LR = 0.01
 
-RATIO_TARGET = 1.10
+RATIO_TARGET = 1.10  # sequential executor
+POOL_RATIO_TARGET = 0.60  # a process pool on 2 cores (issue 11)
+# --executor / --workers / --algorithm, set once by main()
+RUN = {"executor": {"name": "sequential"}, "algorithm": "fedavg"}
+# What FedRep and FedMosaic need beyond FedAvg's spec (FedMosaic: a public unlabeled set).
+ALGORITHM_EXTRAS = {"fedmosaic": {"public": {"size": 1000}}}
 EVAL_TARGET = 0.10
 PER_CLIENT_GROWTH_LIMIT = 0.5  # model copies per added client
 FEW = 2  # clients in the small round the memory check compares against
@@ -211,12 +216,13 @@ def make_spec(npz: Path, num_clients: int, batch_size: int, test_per_client: int
         "partition": {"scheme": "iid", "num_clients": num_clients, "val_fraction": 0.0,
                       "test_fraction": test_fraction},
         "model": {"name": "lenet5"},
-        "algorithm": {"name": "fedavg"},
+        "algorithm": {"name": RUN["algorithm"]},
         "training": {"local_epochs": 1, "batch_size": batch_size, "lr": LR},
         "tracking": {"enabled": False, "progress": False},
-        # threads 0 (the default): torch's own intra-op threads; the plain loop runs after
-        # prepare() in the same process, so it always gets the same number.
-        "executor": {"threads": threads},
+        # threads 0 (the default): one thread per process; the plain loop runs after prepare()
+        # in the same process, so it always gets the same number as one worker.
+        "executor": {**RUN["executor"], "threads": threads},
+        **ALGORITHM_EXTRAS.get(RUN["algorithm"], {}),
     }
 
 
@@ -450,12 +456,13 @@ def report(results: list[dict]) -> bool:
         if r["clean"] < len(r["rounds"]):
             print(f"  {tag} (timings disturbed: only {r['clean']} of {r['attempts']} repeats ran with other processes "
                   f"below the busy limit; up to {r['busiest']:.2f} CPU cores were in use elsewhere)")
-        ok1 = r["ratio"] <= RATIO_TARGET
+        target = RATIO_TARGET if RUN["executor"]["name"] == "sequential" else POOL_RATIO_TARGET
+        ok1 = r["ratio"] <= target
         ok2 = r["eval_frac"] <= EVAL_TARGET
-        print(f"  {tag} round / plain epoch        {r['ratio']:6.3f}  <= {RATIO_TARGET:.2f}   {verdict(ok1)}")
+        print(f"  {tag} round / plain epoch        {r['ratio']:6.3f}  <= {target:.2f}   {verdict(ok1)}")
         print(f"  {tag} evaluation / round        {r['eval_frac'] * 100:5.1f}%  <= {EVAL_TARGET * 100:.0f}%    {verdict(ok2)}")
         all_ok &= ok1 and ok2
-    for r in results:
+    for r in results if RUN["algorithm"] == "fedavg" else []:  # the memory targets are FedAvg's
         tag = f"N={r['N']:<3} B={r['B']:<3}"
         model = r["model_bytes"]
         ok = r["store_tensors"] == 0 and r["server_bytes"] <= model
@@ -503,6 +510,11 @@ def main(argv=None) -> int:
                         help=f"test samples per client (default {TEST_PER_CLIENT}, 20%% of the 500 train)")
     parser.add_argument("--threads", type=int, default=0,
                         help="executor.threads for the run (and so the plain loop); 0: torch's default")
+    parser.add_argument("--executor", default="sequential", choices=["sequential", "process"],
+                        help="executor.name for the run (default sequential; process: target 0.6)")
+    parser.add_argument("--workers", type=int, default=None, help="executor.workers (default: one per core)")
+    parser.add_argument("--algorithm", default="fedavg", choices=["fedavg", "fedrep", "fedmosaic"],
+                        help="the method timed (default fedavg; the memory checks are FedAvg's)")
     parser.add_argument("--busy-limit", type=float, default=0.1,
                         help="a repeat during which other processes used more CPU cores than this is retried")
     parser.add_argument("--max-attempts", type=int, default=None,
@@ -529,13 +541,15 @@ def main(argv=None) -> int:
     if args.max_wait is None:
         args.max_wait = 0.0 if args.quick else 120.0
 
+    RUN["executor"] = {"name": args.executor, **({"workers": args.workers} if args.workers else {})}
+    RUN["algorithm"] = args.algorithm
     started = time.perf_counter()
     print(f"pfl round overhead: python {platform.python_version()}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, torch threads {args.threads or torch.get_num_threads()} "
+          f"{os.cpu_count()} CPUs, torch threads {args.threads or 1} "
           f"(interop {torch.get_num_interop_threads()}), {platform.machine()}, load average {_loadavg()}")
     print(f"LeNet-5, {IMAGE_SHAPE[2]}x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} inputs, {NUM_CLASSES} classes; per client "
           f"{TRAIN_PER_CLIENT} train / {args.test_per_client} test samples (IID, random uint8 images and labels); "
-          f"FedAvg, 1 local epoch, SGD lr {LR}; medians of {args.repeats} clean interleaved repeats after a warm-up")
+          f"{args.algorithm}, executor {RUN['executor']}, 1 local epoch, SGD lr {LR}; medians of {args.repeats} clean interleaved repeats after a warm-up")
     results = []
     with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
         for n in args.clients:

@@ -177,10 +177,8 @@ class Engine:
     def _absorb(self, ctx: RunContext, result: "ClientResult") -> tuple[int, dict | None]:
         """The server's side of one finished client (see ``_client_results``)."""
         client_id = result.client_id
-        live = ctx.store[client_id]
-        if live is not result.state:  # came back from another process
-            live.clear()
-            live.update(result.state)
+        if ctx.store[client_id] is not result.state:  # came back from another process
+            ctx.store.replace(client_id, result.state)
         for name, value in result.resolved:
             ctx.resolved_value(name, value)
         if result.diverged is not None:
