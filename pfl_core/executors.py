@@ -110,9 +110,7 @@ class ProcessExecutor:
         self.retries = retries
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
-        global _work_fn
         context = multiprocessing.get_context("fork")
-        _work_fn = fn
         window = 2 * self.workers  # items in flight: enough to keep every worker busy
         source = enumerate(items)
         pending: collections.deque = collections.deque()  # (index, item, future)
@@ -120,7 +118,8 @@ class ProcessExecutor:
         pool = None
 
         def new_pool():
-            global _running
+            global _work_fn, _running
+            _work_fn = fn  # inherited by the workers this pool forks (another map may run meanwhile)
             _running = context.Array("q", 2 * self.workers)
             return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
                                        initargs=(self.threads,))
@@ -161,7 +160,6 @@ class ProcessExecutor:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-            _work_fn = None
 
     @staticmethod
     def _dead_code(pool) -> int | None:
