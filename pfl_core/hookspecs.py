@@ -10,6 +10,7 @@ A round, as the engine runs it (see docs/architecture.md)::
         on_receive(ctx, client, message)                   # client merges it
         local_train(ctx, client)                           # batches call local_objective
         upload  = client_upload(ctx, client)               # bytes counted up
+        upload_lost(ctx, client_id=i)                      # only if implemented: True drops it
     server_aggregate(ctx, uploads, weights)                # uploads: iterator of (i, upload)
     on_round_end(ctx, round)
     every evaluation.every rounds: personalized_models(ctx, client) for every client
@@ -84,6 +85,19 @@ class Hooks:
     def client_upload(self, ctx, client):
         """Client side: the message sent to the server (bytes counted upstream). It stays valid
         only until the next client runs: copy what you keep. Default: an empty message."""
+
+    @hookspec
+    def upload_lost(self, ctx, client_id):
+        """Server side, once per participant after it ran (trained and uploaded): return True
+        when its upload never reaches the server (a simulated dropout). Any True drops it: the
+        client's work and its state changes are kept (it did train), its upload is not
+        aggregated and its bytes are not counted up (never received), and the other uploads'
+        weights are renormalised over the arrivals; when nothing arrives ``server_aggregate``
+        is not called and the server state stays as it was. Asked in participant order, in
+        the server's process; answer from seeded draws (``ctx.seed_for``/``pfl_core.seeding``)
+        so the same spec drops the same uploads. While any plugin implements this hook the
+        round's uploads are collected before aggregation (copies, one per arrival) instead
+        of streamed."""
 
     @hookspec(firstresult=True)
     def server_aggregate(self, ctx, uploads, weights):

@@ -58,11 +58,14 @@ def run_epochs(
     shuffle: bool = True,
     drop_last: bool = False,
     counter=None,
+    take_batch: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
     """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data.
 
     ``counter(samples)`` is told n after every epoch (work accounting: an epoch is one pass
-    over the n samples, its dropped remainder included).
+    over the n samples, its dropped remainder included). ``take_batch()`` is asked before
+    every step (``Client.take_batch``, a straggler's batch budget): False stops the training
+    there, and the partial epoch counts only the samples of the batches it ran.
     """
     model.train()
     n = len(y)
@@ -70,8 +73,14 @@ def run_epochs(
     steps = 0
     for _ in range(epochs):
         order = batch_order(n, generator, shuffle)
+        seen = 0
         for start in batch_starts(n, batch_size, drop_last):
+            if take_batch is not None and not take_batch():
+                if counter is not None and seen:
+                    counter(seen)
+                return mean_training_loss(total, steps)
             idx = order[start : start + batch_size]
+            seen += len(idx)
             xb, yb = x[idx], y[idx]
             optimizer.zero_grad(set_to_none=True)
             logits = model(xb)

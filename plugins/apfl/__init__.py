@@ -145,8 +145,9 @@ class APFL(FedAvg):
                     alpha.fill_(alpha_step(float(alpha), float(grad_alpha), alpha_lr))
             return client.objective(model, x, y, logits)  # (2): the loss of w_i, stepped by the loop
 
+        before = client.work.private
         metrics = client.train(epochs=epochs, loss_fn=loss_and_personal_step)
-        client.count_work(private=epochs * client.num_train)  # the passes of v_bar_i
+        client.count_work(private=client.work.private - before)  # v_bar_i's passes: the same samples again
         client.state["v"] = {k: (v[k] if k in v else buffers[k]).detach() for k in v_state}
         client.state["alpha"] = float(alpha.detach())
         ctx.log({f"alpha/{client.id}": client.state["alpha"]})

@@ -89,17 +89,18 @@ def kl_to_target(logits: torch.Tensor, target: torch.Tensor, temperature: float)
 
 
 def distill(model, optimizer, x, targets, *, epochs, batch_size, temperature, generator, extra_term=None,
-            drop_last=False, counter=None):
+            drop_last=False, counter=None, take_batch=None):
     """Fit ``model`` to soft ``targets`` on ``x``: mini-batch KL(target || model), plus an
     optional ``extra_term(model, xb, logits)``; pfl's shared loop (``run_epochs``) with the
-    targets in place of labels. ``counter(samples)`` is told each step's batch size."""
+    targets in place of labels. ``counter(samples)`` is told each step's batch size;
+    ``take_batch`` is a client's batch budget (``Client.take_batch``)."""
 
     def loss(model, xb, target, logits):
         value = kl_to_target(logits, target.float(), temperature)
         return value if extra_term is None else value + extra_term(model, xb, logits)
 
     return run_epochs(model, optimizer, x, targets, epochs=epochs, batch_size=batch_size, loss_fn=loss,
-                      generator=generator, drop_last=drop_last, counter=counter)
+                      generator=generator, drop_last=drop_last, counter=counter, take_batch=take_batch)
 
 
 class PublicPredictionMethod(Plugin):
@@ -144,7 +145,7 @@ class PublicPredictionMethod(Plugin):
         return distill(model, client.optimizer(), ctx.data.public.x, targets, epochs=p.distill_epochs,
                        batch_size=p.distill_batch_size, temperature=p.temperature,
                        generator=client.generator("distill"), drop_last=ctx.spec.training.drop_last,
-                       counter=lambda n: client.count_work(public=n))
+                       counter=lambda n: client.count_work(public=n), take_batch=client.take_batch)
 
     @hookimpl
     def local_train(self, ctx, client):

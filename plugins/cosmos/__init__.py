@@ -151,13 +151,13 @@ def consistency_term(params: CosmosParams, generator: torch.Generator):
 
 
 def eq1_distill(model, optimizer, x, targets, params: CosmosParams, *, epochs: int, order: torch.Generator,
-                augment: torch.Generator, drop_last: bool = False, counter=None):
+                augment: torch.Generator, drop_last: bool = False, counter=None, take_batch=None):
     """Minimise Eq. (1) (server, targets f_bar_k) or Eq. (2) (client, targets h_pi(i)) over U:
     per batch, KL(target || model) + lambda * sum_{x' in S(x)} KL(model(x) || model(x')).
     ``order`` draws the batch order, ``augment`` the transformation ball (may be the same)."""
     return distill(model, optimizer, x, targets, epochs=epochs, batch_size=params.distill_batch_size,
                    temperature=params.temperature, generator=order, extra_term=consistency_term(params, augment),
-                   drop_last=drop_last, counter=counter)
+                   drop_last=drop_last, counter=counter, take_batch=take_batch)
 
 
 class Cosmos(PublicPredictionMethod):
@@ -184,7 +184,8 @@ class Cosmos(PublicPredictionMethod):
         p = self.params
         return eq1_distill(model, client.optimizer(), ctx.data.public.x, targets, p, epochs=p.distill_epochs,
                            order=client.generator("distill"), augment=client.generator("augment"),
-                           drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n))
+                           drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n),
+                           take_batch=client.take_batch)
 
     # -- server ---------------------------------------------------------------------
 

@@ -365,7 +365,11 @@ class FedMosaic(Plugin):
         model.train()
         round_lambda = None
         total, lambdas = torch.zeros((), dtype=torch.float64), []
+        taken = 0
         for step in range(warmup + steps):
+            if not client.take_batch():  # a straggler's batch budget is spent
+                break
+            taken += 1
             idx = next(private)
             xb, yb = x[idx], y[idx]
             optimizer.zero_grad(set_to_none=True)
@@ -391,7 +395,7 @@ class FedMosaic(Plugin):
             mean_lambda = float(np.mean(lambdas))
             ctx.log({f"lambda/{client.id}": mean_lambda})
             client.state.setdefault("lambda_history", []).append((ctx.round, mean_lambda))
-        return {"train_loss": float(total) / (warmup + steps)} if warmup + steps else {}
+        return {"train_loss": float(total) / taken} if taken else {}
 
     def _round_lambda(self, ctx, model, x, y, public_x, pseudo_y):
         """"round" mode: lambda from the full private set and the full pseudo-labelled U

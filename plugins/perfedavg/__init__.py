@@ -156,14 +156,22 @@ class PerFedAvg(FedAvg):
         losses = []
         for _ in range(ctx.spec.training.local_epochs):
             batches = self.batches(client, generator)
-            extra = 0
+            extra, seen = 0, 0
             for s in range(max(1, len(batches) // group)):
                 d, d1, *d2 = (batches[(s * group + j) % len(batches)] for j in range(group))
+                # a straggler's budget counts the step's group of mini-batches, each asked for
+                if not all(client.take_batch() for _ in range(group)):
+                    break
                 hessian = (x[d2[0]], y[d2[0]]) if hf else None
                 losses.append(meta_step(model, outer, p.alpha, (x[d], y[d]), (x[d1], y[d1]), client.objective,
                                         hessian_batch=hessian, delta=p.delta))
                 extra += len(d2[0]) if hf else 0
-            client.count_work(private=client.num_train + extra)  # one pass, plus D'''s second in HF
+                seen += len(d) + len(d1) + (len(d2[0]) if hf else 0)
+            else:
+                client.count_work(private=client.num_train + extra)  # one pass, plus D'''s second in HF
+                continue
+            client.count_work(private=seen)  # the budget ran out: the samples of the steps taken
+            break
         return mean_training_loss(losses)
 
     def adapt(self, ctx, client):

@@ -142,11 +142,19 @@ class PFedMe(FedAvg):
         try:
             for _ in range(epochs):
                 order = batch_order(n, generator, training.shuffle)
+                seen = 0
                 for start in batch_starts(n, training.batch_size, training.drop_last):
+                    if not client.take_batch():  # a straggler's batch budget is spent
+                        break
                     idx = order[start:start + training.batch_size]
+                    seen += len(idx)
                     losses.append(moreau_step(model, w, x_all[idx], y_all[idx], k=self.params.k, inner=inner,
                                               loss_fn=client.objective, eta_lambda=eta_lambda))
-                client.count_work(private=self.params.k * n)
+                else:
+                    seen = n  # a whole epoch counts n samples, its dropped remainder included
+                client.count_work(private=self.params.k * seen)
+                if seen < n:
+                    break
         finally:
             del client.scratch["anchor"]
         client.state["personal"] = clone_state(model)  # theta_i (the last theta_hat)
