@@ -175,11 +175,12 @@ def browse(browser: str, url: str, window: tuple[int, int], output: list[str], t
 
 
 def screenshot(browser: str, url: str, path: Path, window: tuple[int, int], dump_dom: bool, timeout_s: float) -> None:
-    browse(browser, url, window, [f"--screenshot={path}"], timeout_s)
+    # One page load gives both the picture and (with --dump-dom on stdout) the DOM it shows.
+    dom = browse(browser, url, window, [f"--screenshot={path}"] + (["--dump-dom"] if dump_dom else []), timeout_s)
     if not path.is_file():
         raise ScreenshotError(f"{browser} wrote no picture for {url}")
     if dump_dom:
-        path.with_suffix(".html").write_text(browse(browser, url, window, ["--dump-dom"], timeout_s))
+        path.with_suffix(".html").write_text(dom)
 
 
 def window_size(text: str) -> tuple[int, int]:
