@@ -325,7 +325,7 @@ class RunContext:
 
     def log(self, metrics: dict[str, float] | None = None, **more: float) -> None:
         """Extra metrics for this round (logged with the round's evaluation metrics).
-        Per-client values use ``name/client_id`` keys, e.g. ``{"lambda/3": 0.7}``."""
+        Per-client values go to ``client.log`` / ``log_client`` instead (one table per run)."""
         self.round_metrics.update(metrics or {}, **more)
 
 

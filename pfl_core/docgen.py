@@ -27,7 +27,6 @@ import attrs
 
 from . import registry
 from .errors import PflError
-from .tomlout import _value as toml_value
 
 BEGIN = "<!-- generated: pfl docs; do not edit by hand -->"
 END = "<!-- end generated -->"
@@ -121,6 +120,18 @@ def _plural(word: str) -> str:
     if word.startswith("table of ") or word.startswith("list of "):
         return word.replace("table of", "tables of", 1).replace("list of", "lists of", 1)
     return word if word.endswith("s") else word + "s"
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as it is written in a spec, on one line (tomli-w writes an array one item a
+    line: joined here)."""
+    import tomli_w
+
+    if isinstance(value, dict):  # tomli-w writes a table value as a [table], not inline
+        keys = [tomli_w.dumps({k: 0}).rsplit(" = ", 1)[0] for k in value]  # quoted where needed
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in zip(keys, value.values())) + "}"
+    text = tomli_w.dumps({"v": value}, indent=0).removeprefix("v = ").rstrip("\n")
+    return text.replace("[\n", "[").replace(",\n]", "]").replace(",\n", ", ")  # strings escape newlines
 
 
 def default_text(attribute: attrs.Attribute) -> str:

@@ -1,16 +1,30 @@
-"""Figures logged as run artifacts (matplotlib, headless)."""
+"""Figures logged as run artifacts (matplotlib, headless). matplotlib is imported on the first
+figure, not with this module: it is slow to import and a run without tracking draws nothing."""
 
 from __future__ import annotations
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def __getattr__(name: str):
+    if name == "plt":  # ``plots.plt`` for plugins drawing their own figures
+        return pyplot()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def partition_figure(table: np.ndarray, class_names=None, title: str = "partition"):
     """Client x class sample counts as a stacked bar chart (one bar per client)."""
+    plt = pyplot()
     clients, classes = table.shape
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * clients + 2), 4))
     bottom = np.zeros(clients)
@@ -28,22 +42,45 @@ def partition_figure(table: np.ndarray, class_names=None, title: str = "partitio
     return fig
 
 
-def curves_figure(history: list[dict], keys: list[str], ylabel: str, title: str):
-    """Metric(s) by round from the run's evaluation history."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in keys:
-        points = [(h["round"], h[key]) for h in history if key in h]
-        if points:
-            rounds, values = zip(*points)
-            ax.plot(rounds, values, marker="o", markersize=3, label=key)
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
+CLIENT_LABEL = "client"
+COLDSTART_LABEL = "cold-start client"
+
+
+def accuracy_distribution_figure(groups: list[tuple[str, list[float], list[bool]]], title: str):
+    """Final accuracy per client, one column per run: a box over its training clients with
+    every client drawn as a jittered point over it; cold-start clients (held out of training,
+    personalised at the end) as orange triangles beside them, outside the box.
+
+    ``groups``: ``(label, accuracies, is_coldstart)`` per run, in the order drawn."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(groups) + 2.5), 4))
+    rng = np.random.default_rng(0)  # the same jitter every time: figures compare across runs
+    positions = np.arange(1, len(groups) + 1)
+    boxes = [([a for a, cold in zip(accs, colds) if not cold], x) for (_l, accs, colds), x in zip(groups, positions)]
+    boxes = [(values, x) for values, x in boxes if values]
+    if boxes:
+        ax.boxplot([v for v, _ in boxes], positions=[x for _, x in boxes], widths=0.5, showfliers=False,
+                   medianprops={"color": "black", "gid": "median"})
+    labelled = set()
+    for (_label, accs, colds), x in zip(groups, positions):
+        accs, colds = np.asarray(accs, dtype=float), np.asarray(colds, dtype=bool)
+        jitter = x + rng.uniform(-0.15, 0.15, len(accs))
+        for mask, label, style in ((~colds, CLIENT_LABEL, {"color": "tab:blue", "marker": "o", "s": 14, "alpha": 0.6}),
+                                   (colds, COLDSTART_LABEL, {"color": "tab:orange", "marker": "^", "s": 30})):
+            if mask.any():
+                ax.scatter(jitter[mask], accs[mask], label=None if label in labelled else label, zorder=3, **style)
+                labelled.add(label)
+    ax.set_xticks(positions, [g[0] for g in groups], rotation=20 if len(groups) > 3 else 0,
+                  ha="right" if len(groups) > 3 else "center")
+    ax.set_xlim(0.4, len(groups) + 0.6)
+    ax.set_ylabel("final accuracy")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    if labelled:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
 def close(fig) -> None:
-    plt.close(fig)
+    pyplot().close(fig)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from .engine import table_csv
 from .errors import PflError
+from .spec import dump_toml
 from .stats import Summary, paired_difference
-from . import tomlout
 
 COMPARISON = "comparison.csv"
 DIFFERENCES = "differences.csv"
@@ -148,4 +148,4 @@ def differences_csv(results: list, compare_to: str | None) -> str:
 
 
 def dumps_spec(raw: dict) -> str:
-    return tomlout.dumps(raw)
+    return dump_toml(raw)

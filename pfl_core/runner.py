@@ -14,7 +14,8 @@ from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import Interrupted, PflError, SpecError
 from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
 from .stats import Summary, paired_difference, summarize
-from .tracking import begin_study, check_store, flatten, human_bytes, human_seconds, make_tracker, run_status, studied
+from .tracking import (begin_study, check_store, flatten, human_bytes, human_seconds, log_accuracy_distribution,
+                       make_tracker, run_status, studied)
 
 
 @attrs.define
@@ -516,7 +517,8 @@ def summarize_runs(runs: list[RunResult]) -> dict[str, Summary]:
 
 
 def log_seed_summary(tracker, result: PointResult) -> None:
-    """The parent run's metrics (``m``, ``m_std``, ``m_ci95``) and the per-seed table."""
+    """The parent run's metrics (``m``, ``m_std``, ``m_ci95``), the per-seed table and the
+    clients' final accuracy by seed."""
     metrics = {}
     for key, s in result.summary.items():
         metrics.update({key: s.mean, f"{key}_std": s.std, f"{key}_ci95": s.ci95})
@@ -527,6 +529,8 @@ def log_seed_summary(tracker, result: PointResult) -> None:
     rows = [[seed, *[run.final.get(k, math.nan) for k in keys]] for seed, run in zip(result.seeds, result.runs)]
     if rows:
         tracker.log_text(table_csv(["seed", *keys], rows), "results/seeds.csv")
+    log_accuracy_distribution(tracker, [(f"seed={seed}", run.client_rows) for seed, run in zip(result.seeds, result.runs)],
+                              f"{result.name}: final accuracy per client, by seed")
 
 
 # -- terminal output --------------------------------------------------------------------------

@@ -46,6 +46,7 @@ GIT_TAGS = ("mlflow.source.git.commit", "mlflow.source.git.branch", "mlflow.sour
 # The tag MLflow 3's UI reads to decide what an experiment holds (its sidebar's "Model training"
 # against "GenAI"); the UI's own values: custom_model_development, genai_development.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+PARENT_TAG = "mlflow.parentRunId"
 MODEL_TRAINING = "custom_model_development"
 
 
@@ -75,7 +76,8 @@ class Study:
     def log_comparison(self, results) -> None:
         """The parent's ``results/comparison.csv`` (each top-level run's mean and ci95 of every
         final metric, from the runner's results: ``name``, ``run_id``, ``runs``, ``summary``),
-        ``best_acc_mean`` and the tag ``pfl.best_run``."""
+        ``best_acc_mean``, the tag ``pfl.best_run`` and each run's clients' final accuracy
+        (``results/client_accuracy.png``, one box per run, its seeds pooled)."""
         if self.parent is None:
             return
         keys = sorted({k for r in results for k in r.summary})
@@ -92,6 +94,8 @@ class Study:
             best = max(scored, key=lambda r: r.summary["acc_mean"].mean)
             self.parent.log_metrics({"best_acc_mean": best.summary["acc_mean"].mean}, step=0)
             self.parent.set_tag("pfl.best_run", best.name)
+        log_accuracy_distribution(self.parent, [(r.name, [row for run in r.runs for row in run.client_rows])
+                                                for r in results], "final accuracy per client (seeds pooled)")
 
     def end(self, status: str) -> None:
         if self.parent is not None:
@@ -281,7 +285,7 @@ class MlflowTracker(NullTracker):
                     raise
         elif experiment.lifecycle_stage == "active" and EXPERIMENT_KIND_TAG not in experiment.tags:
             client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
-        mlflow.set_experiment(name)
+        self.experiment_id = mlflow.set_experiment(name).experiment_id
 
     def start(self, experiment, run_name, params, tags):
         mlflow = self.mlflow
@@ -291,12 +295,16 @@ class MlflowTracker(NullTracker):
             raise PflError(f"MLflow tracking at {mlflow.get_tracking_uri()} failed: {one_line(exc)} (tracking.uri)") from None
         if self.study is not None and self.study.pending is not None:
             self.study.begin()  # the study's parent first: this run nests under it
-        context = {TRACKING_URI_TAG: mlflow.get_tracking_uri()}
+        uri = mlflow.get_tracking_uri()
+        context = {TRACKING_URI_TAG: uri}
         if self.study is not None:
             context.update(self.study.tags())
         # A run started while another is active (a seed of a repeated experiment, a sweep point
-        # of a study) is its child.
-        run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=mlflow.active_run() is not None)
+        # of a study) is its child, told apart by its parent; a top-level run by its name.
+        nested = mlflow.active_run() is not None
+        if not nested:
+            run_name = self._unused_name(run_name)
+        run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=nested)
         self.run_id = run.info.run_id
         if self.study is not None:
             # MLflow's own git tags describe the checkout of the running script (pfl-run's), not
@@ -304,9 +312,25 @@ class MlflowTracker(NullTracker):
             for key in GIT_TAGS:
                 if key not in self.study.git and key in run.data.tags:
                     mlflow.delete_tag(key)
-        items = sorted(params.items())
-        for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
-            mlflow.log_params(dict(items[start : start + 100]))
+        if "tracking.uri" in params:  # the store used (the spec's value may be "" or overridden)
+            params = {**params, "tracking.uri": uri}
+        mlflow.log_params(dict(sorted(fit_params(params).items())))  # MLflow splits them into batches
+
+    def _unused_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3`` ... when top-level runs of the experiment already
+        have it: the same spec run twice gives two runs that can be told apart in the UI."""
+        quote = "'" if "'" not in name else '"'
+        if quote in name:  # both quotes in it: not expressible in a filter, compare all names
+            query = ""
+        else:  # LIKE's wildcards (% _) in the name only widen the search; the names are compared below
+            query = f"attributes.run_name LIKE {quote}{name}%{quote}"
+        runs = self.mlflow.MlflowClient().search_runs([self.experiment_id], query, max_results=5000)
+        taken = {run.info.run_name for run in runs if PARENT_TAG not in run.data.tags}
+        if name not in taken:
+            return name
+        suffixes = [int(t[len(name) + 1:]) for t in taken
+                    if t.startswith(f"{name}-") and t[len(name) + 1:].isdigit()]
+        return f"{name}-{max(suffixes, default=1) + 1}"
 
     def resume(self, run_id: str) -> None:
         """Continue run ``run_id`` (``pfl-run --resume``): the metrics it already holds, logged
@@ -354,6 +378,47 @@ class MlflowTracker(NullTracker):
         if self.run_id is not None:
             self.mlflow.end_run(status=status)
             self.run_id = None
+
+
+def fit_params(params: dict[str, str]) -> dict[str, str]:
+    """Params as MLflow accepts them: a value longer than its limit (6000 characters in MLflow
+    3, 500 in older ones; a long ``model.clients`` list) is cut and says so; the run's
+    ``resolved_spec.toml`` holds it whole."""
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
+    except ImportError:  # pragma: no cover - moved in some MLflow version
+        limit = 500
+    out = {}
+    for key, value in params.items():
+        if len(value) > limit:
+            note = f"... ({len(value)} characters; whole in resolved_spec.toml)"
+            value = value[: limit - len(note)] + note
+        out[key] = value
+    return out
+
+
+ACCURACY_FIGURE = "results/client_accuracy.png"
+
+
+def log_accuracy_distribution(tracker, runs: list[tuple[str, list[dict]]], title: str) -> None:
+    """Log the final accuracy of every client, one box per run (``runs``: a label and its
+    per-client result rows, cold-start rows marked ``coldstart``) as ``results/client_accuracy.png``.
+    Nothing is drawn with tracking off."""
+    if type(tracker) is NullTracker:
+        return
+    groups = []
+    for label, rows in runs:
+        scored = [r for r in rows if isinstance(r.get("acc"), (int, float)) and r["acc"] == r["acc"]]  # not nan
+        groups.append((label, [float(r["acc"]) for r in scored], [bool(r.get("coldstart")) for r in scored]))
+    if not any(accs for _, accs, _ in groups):
+        return
+    from . import plots
+
+    fig = plots.accuracy_distribution_figure(groups, title)
+    try:
+        tracker.log_figure(fig, ACCURACY_FIGURE)
+    finally:
+        plots.close(fig)
 
 
 def one_line(exc: BaseException) -> str:

@@ -210,7 +210,8 @@ def test_bytes_are_fedavgs_and_work_is_two_passes_per_epoch():
     assert APFL(APFLParams()).local_work(spec).private_epochs_per_round == 6
     result = Engine(resolve(tiny_raw(**APFL_RAW, **{"training.local_epochs": 2})), progress=False).run()
     assert result.history[-1]["budget.private_epochs"] == pytest.approx(3 * 2 * 2)
-    assert "alpha/0" in result.history[-1]
+    last = result.history[-1]  # alpha_i per client: aggregated over the clients, never a key per client
+    assert 0 <= last["alpha_min"] <= last["alpha_mean"] <= last["alpha_max"] <= 1 and "alpha/0" not in last
 
 
 def test_defaults_and_a_full_run_with_coldstart_clients():

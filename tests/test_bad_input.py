@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pfl_core import spec as spec_module
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
@@ -58,8 +58,8 @@ def test_spec_file_too_large_to_be_a_spec(tmp_path, capsys, monkeypatch):
 # -- 2. deeply nested values ----------------------------------------------------------------
 
 def with_value_text(tmp_path, key: str, value: str) -> str:
-    """The tiny spec with ``key`` set to the TOML text ``value`` (which tomlout cannot write)."""
-    text = tomlout.dumps(tiny_raw(**{key: "@VALUE@"}))
+    """The tiny spec with ``key`` set to the TOML text ``value`` (which dump_toml cannot write)."""
+    text = dump_toml(tiny_raw(**{key: "@VALUE@"}))
     return raw_text(tmp_path, text.replace('"@VALUE@"', value))
 
 
@@ -140,7 +140,7 @@ def test_an_enormous_sweep_is_refused_without_expanding_it(tmp_path, capsys):
 
 
 def test_a_sweep_that_is_not_a_table(tmp_path, capsys):
-    text = "sweep = []\n" + tomlout.dumps(tiny_raw())
+    text = "sweep = []\n" + dump_toml(tiny_raw())
     expect_error(capsys, [raw_text(tmp_path, text)], "sweep", "expected a table")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.cli import main, run_main
 from tiny import tiny_raw
 
@@ -16,7 +16,7 @@ BIN = Path(sys.executable).parent
 
 def write_spec(tmp_path, raw, name="spec.toml") -> str:
     path = tmp_path / name
-    path.write_text(tomlout.dumps(raw))
+    path.write_text(dump_toml(raw))
     return str(path)
 
 

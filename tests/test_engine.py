@@ -34,12 +34,12 @@ def figures(monkeypatch):
         drawn.append(("partition", table.tolist(), list(class_names), title))
         return "partition-figure"
 
-    def curves_figure(history, keys, ylabel, title):
-        drawn.append(("curves", list(keys), ylabel, title))
-        return "curves-figure"
+    def accuracy_distribution_figure(groups, title):
+        drawn.append(("accuracy", groups, title))
+        return "accuracy-figure"
 
     monkeypatch.setattr(plots, "partition_figure", partition_figure)
-    monkeypatch.setattr(plots, "curves_figure", curves_figure)
+    monkeypatch.setattr(plots, "accuracy_distribution_figure", accuracy_distribution_figure)
     monkeypatch.setattr(plots, "close", lambda fig: drawn.append(("close", fig)))
     return drawn
 
@@ -575,10 +575,11 @@ def test_artifacts_resolved_spec_partition_and_client_table(figures):
     assert rows[0] == ",".join(result.client_rows[0])
     assert len(rows) == 1 + 4 and rows[1].startswith("0,mlp,")
     assert ("partition", table.tolist(), data.class_names, "domain partition, 4 clients") in figures
-    assert ("curves", ["acc_mean"], "accuracy (mean over clients)", "fedavg: accuracy by round") in figures
+    accs = [row["acc"] for row in result.client_rows]
+    assert ("accuracy", [("fedavg", accs, [False] * 4)], "fedavg: final accuracy per client") in figures
     assert tracker.figures == {"partition/partition.png": "partition-figure",
-                               "results/accuracy_by_round.png": "curves-figure"}
-    assert ("close", "partition-figure") in figures and ("close", "curves-figure") in figures
+                               "results/client_accuracy.png": "accuracy-figure"}
+    assert ("close", "partition-figure") in figures and ("close", "accuracy-figure") in figures
 
 
 def test_table_csv_formats_floats_and_keeps_the_rest():
@@ -650,12 +651,6 @@ def test_a_coldstart_failure_is_tagged_on_the_run():
     assert tracker.tags == {"pfl.error": result.errors[0]}
     assert tracker.status == "FINISHED"
     assert "coldstart" not in result.client_rows[0]  # rows of the training clients, unflagged
-
-
-def test_accuracy_figure_has_every_acc_mean_curve(figures):
-    run(**{"experiment.rounds": 1, "evaluation.validation": True})
-    (curves,) = [f for f in figures if f[0] == "curves"]
-    assert curves[1] == ["acc_mean", "val_acc_mean"]
 
 
 def test_progress_only_when_both_the_caller_and_the_spec_want_it():

@@ -73,7 +73,8 @@ def test_alignment_loss_by_hand():
 
 def aggregate(uploads, weighting="fisher"):
     logged = {}
-    ctx = SimpleNamespace(server={"body": {"w": torch.tensor([9.0, 9.0])}}, log=lambda m: logged.update(m))
+    ctx = SimpleNamespace(server={"body": {"w": torch.tensor([9.0, 9.0])}},
+                          log_client=lambda i, **values: logged.update({(i, k): v for k, v in values.items()}))
     FedAS(FedASParams(weighting=weighting)).server_aggregate(ctx=ctx, uploads=iter(uploads),
                                                              weights={0: 0.5, 1: 0.5})
     return ctx.server["body"]["w"], logged
@@ -84,7 +85,7 @@ def test_fisher_weighted_aggregate_by_hand():
                (1, {"body": {"w": torch.tensor([3.0, 6.0])}, "fisher": 3.0})]
     body, logged = aggregate(uploads)
     assert torch.allclose(body, torch.tensor([2.5, 5.0]))  # (1 (1, 2) + 3 (3, 6)) / 4
-    assert logged == {"fedas_weight/0": 0.25, "fedas_weight/1": 0.75}
+    assert logged == {(0, "fedas_weight"): 0.25, (1, "fedas_weight"): 0.75}
     body, _ = aggregate([(0, {"body": {"w": torch.tensor([1.0, 2.0])}}),
                          (1, {"body": {"w": torch.tensor([3.0, 6.0])}})], "samples")
     assert torch.allclose(body, torch.tensor([2.0, 4.0]))  # the core's weights, 1/2 each
@@ -187,8 +188,9 @@ def test_a_round_recomputed_independently(fisher):
         for k in BODY:  # (A4)
             assert torch.allclose(ctx.server["body"][k], sum(traces[i] / norm * bodies[i][k] for i in range(4)),
                                   atol=1e-5)
-        for i in range(4):
-            assert ctx.round_metrics[f"fedas_weight/{i}"] == pytest.approx(traces[i] / norm, rel=1e-4)
+        logged = {row["client"]: row["value"] for row in ctx.client_series
+                  if row["round"] == ctx.round and row["name"] == "fedas_weight"}
+        assert logged == {i: pytest.approx(traces[i] / norm, rel=1e-4) for i in range(4)}
 
 
 # -- evaluation, bytes, budget ----------------------------------------------------------------------

@@ -3,11 +3,12 @@
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.cli import run_main
 from pfl_core import Plugin, hookimpl
 from pfl_core.context import load_state
@@ -110,7 +111,8 @@ def one_step(pseudo_y=None, **params):
         scratch={} if pseudo_y is None else {"pseudo_y": torch.tensor([pseudo_y])},
         objective=lambda model, x, y, logits: F.cross_entropy(logits, y),
         take_batch=lambda: True,  # no straggler's budget
-        count_work=lambda private=0, public=0: work.append((private, public)))
+        count_work=lambda private=0, public=0: work.append((private, public)),
+        log=lambda **values: logged.update(values))
     metrics = FedMosaic(FedMosaicParams(**{"warmup_epochs": 0, **params})).local_train(ctx, client)
     return model, metrics, logged, work
 
@@ -125,7 +127,7 @@ def test_batch_mode_takes_lambda_from_the_step_and_never_from_the_whole_sets(mon
     monkeypatch.setattr(FedMosaic, "_round_lambda", lambda *a, **k: pytest.fail("batch mode computed a round lambda"))
     _, _, logged, _ = one_step(pseudo_y=0)
     l_priv, l_pseudo = softplus(-1), softplus(1)
-    assert logged["lambda/0"] == pytest.approx(math.exp(-(l_pseudo - l_priv) / (l_priv + 1e-6)), rel=1e-5)
+    assert logged["lambda"] == pytest.approx(math.exp(-(l_pseudo - l_priv) / (l_priv + 1e-6)), rel=1e-5)
 
 
 def test_one_step_descends_l_priv_plus_a_gradient_free_lambda_times_l_pseudo():
@@ -133,7 +135,7 @@ def test_one_step_descends_l_priv_plus_a_gradient_free_lambda_times_l_pseudo():
     # logits: private [1, 0] (label 0), public [0, 1] (consensus label 0)
     l_priv, l_pseudo = softplus(-1), softplus(1)            # l_pseudo - l_priv = 1 exactly
     lam = math.exp(-(l_pseudo - l_priv) / (l_priv + 1e-6))  # ~0.041; a flipped sign gives ~24
-    assert logged["lambda/0"] == pytest.approx(lam, rel=1e-5)
+    assert logged["lambda"] == pytest.approx(lam, rel=1e-5)
     assert metrics["train_loss"] == pytest.approx(l_priv + lam * l_pseudo, rel=1e-5)
     # d CE / d logits = softmax - onehot: private [-(1 - s), 1 - s], public [-s, s], s = sigmoid(1).
     # With lambda a constant (no gradient through it): W <- I - 0.5 (g_priv x_priv^T + lambda g_pub x_pub^T)
@@ -156,7 +158,7 @@ def test_no_pseudo_term_before_any_consensus_exists():
 
 def test_a_fixed_lam_replaces_the_adaptive_weight():
     model, metrics, logged, _ = one_step(pseudo_y=0, lam=2.0)
-    assert logged["lambda/0"] == 2.0
+    assert logged["lambda"] == 2.0
     assert metrics["train_loss"] == pytest.approx(softplus(-1) + 2 * softplus(1), rel=1e-6)
 
 
@@ -406,16 +408,19 @@ def test_lambda_is_logged_per_client_every_round_and_plotted_at_the_end():
     tracker = Recorder()
     engine = Engine(resolve(tiny_raw(**mosaic(), **{"experiment.rounds": 3})), tracker=tracker, progress=False)
     engine.run()
-    assert not any(k.startswith("lambda/") for k in tracker.metrics[1])  # no consensus in round 1
+    lambdas = {(row["round"], row["client"]): row["value"] for row in engine.ctx.client_series
+               if row["name"] == "lambda"}  # the run's per-client table (results/client_series.csv)
+    assert sorted(lambdas) == [(r, i) for r in (2, 3) for i in range(4)]  # no consensus in round 1
+    assert not any(k.startswith("lambda") for k in tracker.metrics[1])
     for r in (2, 3):
-        assert {f"lambda/{i}" for i in range(4)} <= set(tracker.metrics[r])
-        assert all(0 <= tracker.metrics[r][f"lambda/{i}"] <= math.e for i in range(4))
+        assert all(0 <= lambdas[r, i] <= math.e for i in range(4))
+        assert tracker.metrics[r]["lambda_mean"] == pytest.approx(np.mean([lambdas[r, i] for i in range(4)]))
         assert 0 <= tracker.metrics[r]["consensus_acc"] <= 1
     assert "fedmosaic/lambda_by_round.png" in tracker.figures
     assert tracker.texts["fedmosaic/lambda_by_round.csv"].count("\n") == 1 + 4 * 2
     final = tracker.metrics[3]  # on_finish's metrics, logged at the last step
     for i in range(4):
-        assert final[f"lambda_mean/{i}"] == pytest.approx((final[f"lambda/{i}"] + tracker.metrics[2][f"lambda/{i}"]) / 2)
+        assert final[f"lambda_mean/{i}"] == pytest.approx((lambdas[3, i] + lambdas[2, i]) / 2)
 
 
 def test_round_mode_lambda_comes_from_the_full_set_losses_before_training():
@@ -431,7 +436,8 @@ def test_round_mode_lambda_comes_from_the_full_set_losses_before_training():
     l_pseudo = mean_loss(model, ctx.data.public.x, pseudo, 1024)
     ctx.round_metrics = {}
     engine.run_round(ctx, 2)
-    assert ctx.round_metrics["lambda/0"] == pytest.approx(adaptive_lambda(l_priv, l_pseudo, 1e-6), rel=1e-5)
+    (logged,) = [row["value"] for row in ctx.client_series if (row["round"], row["client"], row["name"]) == (2, 0, "lambda")]
+    assert logged == pytest.approx(adaptive_lambda(l_priv, l_pseudo, 1e-6), rel=1e-5)
 
 
 # -- bad input -----------------------------------------------------------------------
@@ -488,7 +494,7 @@ def test_a_public_set_larger_than_the_pool_fails_naming_the_key():
 @pytest.mark.parametrize("key, value", [("expertise", "X"), ("warmup_epochs", -2)])
 def test_cli_dry_run_exits_2_with_one_line(tmp_path, capsys, key, value):
     spec = tmp_path / "bad.toml"
-    spec.write_text(tomlout.dumps(tiny_raw(**mosaic(**{key: value}))))
+    spec.write_text(dump_toml(tiny_raw(**mosaic(**{key: value}))))
     assert run_main([str(spec), "--dry-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and f"algorithm.params.{key}" in err[0]

@@ -5,14 +5,14 @@ import tomllib
 
 import pytest
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.cli import run_main
 from tiny import tiny_raw
 
 
 def write_spec(tmp_path, raw) -> str:
     path = tmp_path / "spec.toml"
-    path.write_text(tomlout.dumps(raw))
+    path.write_text(dump_toml(raw))
     return str(path)
 
 

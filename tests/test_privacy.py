@@ -7,7 +7,7 @@ import torch
 
 from types import SimpleNamespace
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.cli import run_main
 from pfl_core.errors import SpecError
 from pfl_core.payload import Packed
@@ -144,7 +144,7 @@ def test_label_mechanism_is_accepted_with_noised_or_no_expertise():
 
 def test_label_mechanism_with_clear_expertise_exits_2_with_one_line(tmp_path, capsys):
     spec = tmp_path / "leak.toml"
-    spec.write_text(tomlout.dumps(tiny_raw(**BASE, **addon("label_mechanism"))))
+    spec.write_text(dump_toml(tiny_raw(**BASE, **addon("label_mechanism"))))
     assert run_main([str(spec), "--dry-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "addons[0].name" in err[0] and "gaussian_expertise" in err[0]

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from pfl_core import tomlout
 from pfl_core.errors import SpecError
-from pfl_core.spec import Spec, apply_overrides, expand_sweep, parse_value, structure
+from pfl_core.spec import Spec, apply_overrides, dump_toml, expand_sweep, parse_value, structure
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,7 +132,7 @@ def test_toml_writer_round_trips():
         "empty": {},
         "skipped": None,
     }
-    parsed = tomllib.loads(tomlout.dumps(data))
+    parsed = tomllib.loads(dump_toml(data))
     expected = {k: v for k, v in data.items() if v is not None}
     assert parsed == expected
 

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.context import RunContext
 from pfl_core.runner import run_spec_file
 from pfl_core.tracking import NullTracker, artifact_root_for, spec_header
@@ -28,7 +28,7 @@ def git(cwd, *args) -> str:
 
 
 def write(path: Path, raw: dict, header: str = "") -> str:
-    path.write_text(header + tomlout.dumps(raw))
+    path.write_text(header + dump_toml(raw))
     return str(path)
 
 
@@ -85,6 +85,10 @@ def test_a_sweep_with_seeds_is_one_study_tree_with_git_note_uri_and_kind(tmp_pat
     rows = list(csv.DictReader(open(path)))
     assert [r["run"] for r in rows] == ["fedavg", "local"] and rows[0]["seeds"] == "2"
     assert float(rows[0]["acc_mean"]) == pytest.approx(shown[0].summary["acc_mean"].mean, rel=1e-5)
+    # the clients' final accuracy: one picture on the study (a box per point) and on each point (per seed)
+    for run in [study, *points]:
+        assert "results/client_accuracy.png" in {a.path for a in client.list_artifacts(run.info.run_id, "results")}
+    assert study.data.params["tracking.uri"] == uri and points[0].data.params["tracking.uri"] == uri
 
     # a second invocation: its own study, its own top-level name
     run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(tmp_path / "out.txt", "w"))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pfl_core import tomlout
+from pfl_core.spec import dump_toml
 from pfl_core.cli import run_main
 from pfl_core.tracking import Progress, human_bytes, human_seconds
 from tiny import tiny_raw
@@ -42,7 +42,7 @@ def test_progress_bar_shows_elapsed_eta_and_metrics():
 
 def write_spec(tmp_path, raw) -> str:
     path = tmp_path / "spec.toml"
-    path.write_text(tomlout.dumps(raw))
+    path.write_text(dump_toml(raw))
     return str(path)
 
 

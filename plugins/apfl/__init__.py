@@ -105,8 +105,8 @@ def alpha_step(alpha: float, grad_alpha: float, lr: float) -> float:
 
 class APFL(FedAvg):
     """APFL (Deng et al. 2020): a local model v_i beside the global w; the evaluated model is the
-    mixture ``alpha_i v_i + (1 - alpha_i) w``, alpha_i learned per client (logged as
-    ``alpha/<client>``). FedAvg's bytes. Budget: ``2 * training.local_epochs`` (a pass of w and
+    mixture ``alpha_i v_i + (1 - alpha_i) w``, alpha_i learned per client (logged per client
+    as ``alpha``). FedAvg's bytes. Budget: ``2 * training.local_epochs`` (a pass of w and
     one of the mixture per sample)."""
 
     name = "apfl"
@@ -150,7 +150,7 @@ class APFL(FedAvg):
         client.count_work(private=client.work.private - before)  # v_bar_i's passes: the same samples again
         client.state["v"] = {k: (v[k] if k in v else buffers[k]).detach() for k in v_state}
         client.state["alpha"] = float(alpha.detach())
-        ctx.log({f"alpha/{client.id}": client.state["alpha"]})
+        client.log(alpha=client.state["alpha"])
         return metrics
 
     def personalised_model(self, ctx, client, w: dict):

@@ -46,7 +46,7 @@ Defaults and decisions:
 - Budget (``local_work``): training.local_epochs + align_epochs private epochs per round.
 - Bytes: theta down; theta_i and F_i (8 bytes) up.
 - Features f(x; theta) are the classifier's input; ``F_i / sum_j F_j`` is logged per client as
-  ``fedas_weight/<id>``.
+  ``fedas_weight`` (``results/client_series.csv``; its mean, min and max over clients as metrics).
 - Cold start: the newcomer receives theta, keeps the initial head and trains
   ``experiment.coldstart_epochs`` epochs of plain local training (the core default).
 """
@@ -116,7 +116,7 @@ class FedAS(ClassifierSplit):
     """FedAS (Yang et al. 2024): each client keeps its whole model; the received global body is
     first aligned to the class prototypes of the client's previous model, then the model trains
     on CE; the server averages bodies weighted by each client's Fisher-information trace (share
-    logged as ``fedas_weight/<client>``); the client's own model is evaluated. Budget:
+    logged per client as ``fedas_weight``); the client's own model is evaluated. Budget:
     ``training.local_epochs + align_epochs``."""
 
     name = "fedas"
@@ -179,7 +179,8 @@ class FedAS(ClassifierSplit):
         if total is None or not (norm > 0 and math.isfinite(norm)):
             return True  # nobody took part, or no information: theta unchanged
         ctx.server["body"] = {k: v / norm if v.is_floating_point() else v for k, v in total.items()}  # (A4)
-        ctx.log({f"fedas_weight/{i}": f / norm for i, f in traces.items()})
+        for i, f in traces.items():
+            ctx.log_client(i, fedas_weight=f / norm)
         return True
 
     @hookimpl

@@ -67,7 +67,8 @@ docs/reproductions.md):
 - Quantisation: E is clipped to its known range [0, c] (c = 1 for "W", log C for "U"; no
   scale needs sending) and sent as round(E / c * (2^bits - 1)). The server dequantises and
   adds eps, so every vote keeps a positive weight, as the paper's E in (0, inf)^|U| requires.
-- The lambda logged per client and round (``lambda/<id>``) is the mean of the round's
+- The lambda logged per client and round (``lambda`` in ``results/client_series.csv``; its
+  mean, min and max over clients as metrics) is the mean of the round's
   per-step lambdas in "batch" mode, the round's lambda in "round" mode; it is not logged
   before the first consensus exists (round 1). The plot of lambda by round for all clients is
   logged at the end as ``fedmosaic/lambda_by_round.png`` (+ ``.csv``), and each client's
@@ -393,7 +394,7 @@ class FedMosaic(Plugin):
         client.state["weights"] = clone_state(model)
         if lambdas:
             mean_lambda = float(np.mean(lambdas))
-            ctx.log({f"lambda/{client.id}": mean_lambda})
+            client.log(**{"lambda": mean_lambda})  # a Python keyword: passed as a dict
             client.state.setdefault("lambda_history", []).append((ctx.round, mean_lambda))
         return {"train_loss": float(total) / taken} if taken else {}
 

@@ -55,7 +55,8 @@ Defaults and decisions:
 - The combined head reaches client i with its next broadcast (counted then); the evaluation
   after the round reads it from the server, as if delivered at once (the paper sends it at
   the end of the round). Global centroids of classes nobody reported this round are kept.
-- ``alpha_ii`` is logged per client as ``fedpac_self_weight/<id>``.
+- ``alpha_ii`` is logged per client as ``fedpac_self_weight`` (``results/client_series.csv``;
+  its mean, min and max over clients as metrics).
 - Cold start: the newcomer receives theta and the centroids, starts from the initial head and
   trains ``experiment.coldstart_epochs`` epochs of plain local training (the core default).
 """
@@ -190,7 +191,7 @@ class FedPAC(ClassifierSplit):
     (head); a client trains its head, then its body on ``CE + lam * MSE(f(x), c_y)`` towards the
     global class centroids; the server averages bodies, merges centroids, and gives each
     participant a combination of the participants' heads with weights from a quadratic program
-    (its own weight logged as ``fedpac_self_weight/<client>``). Budget:
+    (its own weight logged per client as ``fedpac_self_weight``). Budget:
     ``head_epochs + body_epochs``."""
 
     name = "fedpac"
@@ -296,7 +297,7 @@ class FedPAC(ClassifierSplit):
             for a, (i, *_rest) in enumerate(collab):
                 alpha = combination_weights(v, h, a)  # (P6)
                 ctx.server["heads"][i] = combine(alpha, heads)  # (P7)
-                ctx.log({f"fedpac_self_weight/{i}": float(alpha[a])})
+                ctx.log_client(i, fedpac_self_weight=float(alpha[a]))
         return True
 
 

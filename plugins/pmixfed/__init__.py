@@ -71,9 +71,9 @@ Decisions where the resolution is silent (also in docs/reproductions.md):
 * gamma rounds to exactly 1.0 in floating point for a large k * dAcc: mu is then 1 at the base
   and 0 everywhere else (the limit of the family).
 
-Logged per round: ``gamma/<client>`` and ``frozen_layers/<client>`` (layers below the head
-with mu = 0; the paper's Fig. 8 and Fig. 6a), their means ``gamma_mean`` and
-``frozen_layers_mean``, and ``gamma_agg``.
+Logged per round: ``gamma`` and ``frozen_layers`` per client (layers below the head with
+mu = 0; the paper's Fig. 8 and Fig. 6a; in ``results/client_series.csv``), their mean, min
+and max over the round's clients (``gamma_mean``, ``frozen_layers_min`` ...), and ``gamma_agg``.
 
 Schedules are pluggable: ``SCHEDULES[name] = fn`` with
 ``fn(params, *, stage, num_layers, dacc, progress, rng) -> (gamma or None, degrees)``,
@@ -274,8 +274,7 @@ class PMixFed(PartialModel):
         gamma, mu = self.schedule(self.params, stage="broadcast", num_layers=len(layers), dacc=dacc,
                                   progress=ctx.round / ctx.spec.experiment.rounds, rng=client.rng("pmixfed_mix"))
         ctx.server["mix"][client_id] = {"mu": list(mu), "gamma": gamma, "acc_global": acc_global}
-        ctx.log({f"frozen_layers/{client_id}": frozen_count(mu),
-                 **({f"gamma/{client_id}": gamma} if gamma is not None else {})})
+        client.log(frozen_layers=frozen_count(mu), **({"gamma": gamma} if gamma is not None else {}))
         keymap, glob = ctx.server["keymap"][client.arch], ctx.server["global"]
         return {"weights": {keymap[k]: glob[keymap[k]] for m, keys in zip(mu, layers) if m > 0 for k in keys}}
 
