@@ -51,10 +51,13 @@ class CoreDefaults:
         return {}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        """Fine-tune what the method would send a newcomer (the final global model for
-        weight-sharing methods) on the newcomer's own data."""
-        message = ctx.broadcast(client.id)
+    def evaluation_message(self, ctx, client_id):
+        return {}
+
+    @hookimpl
+    def coldstart_personalize(self, ctx, client, message):
+        """Fine-tune what the method sends a newcomer (``message``, the engine's broadcast to it:
+        the final global model for weight-sharing methods) on the newcomer's own data."""
         ctx.hooks.on_receive(ctx=ctx, client=client, message=message)
         client.train(epochs=ctx.spec.experiment.coldstart_epochs)
         return {"": client.model}

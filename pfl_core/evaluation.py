@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context import Client
+
 
 @attrs.frozen
 class Score:
@@ -50,23 +52,47 @@ def summarize(accuracies: list[float], losses: list[float], prefix: str = "") ->
     }
 
 
+def evaluated_models(ctx, client) -> dict[str, nn.Module]:
+    """``personalized_models`` for one client: the server's ``evaluation_message`` for it
+    (computed with the run context ``ctx``; not counted as communication), then the client-side
+    hook with the client's own context (``client.ctx``: a :class:`ClientView` in evaluation)."""
+    message = ctx.hooks.evaluation_message(ctx=ctx, client_id=client.id)
+    return ctx.hooks.personalized_models(ctx=client.ctx, client=client, message=message)
+
+
+def coldstart_models(ctx, client) -> dict[str, nn.Module]:
+    """``coldstart_personalize`` for one held-out client, under its cold-start seed: the
+    server's broadcast to it (``ctx.broadcast``: bytes counted down), then the client-side hook
+    with the client's own context."""
+    torch.manual_seed(ctx.seed_for("coldstart", client.id))
+    message = ctx.broadcast(client.id)
+    return ctx.hooks.coldstart_personalize(ctx=client.ctx, client=client, message=message)
+
+
 def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,
                      prefix: str = "") -> tuple[dict[str, float], list[dict]]:
     """Evaluate each client's personalized model(s) on its own ``split``.
 
-    ``client_ids`` defaults to the training clients; ``models_for(client)`` to the
-    ``personalized_models`` hook. Returns the summary metrics (per model prefix, each
-    prefixed again by ``prefix``) and one row per client.
+    ``client_ids`` defaults to the training clients; ``models_for(client)`` to
+    :func:`evaluated_models` (``personalized_models`` with the client's evaluation message).
+    Returns the summary metrics (per model prefix, each prefixed again by ``prefix``) and one
+    row per client.
     """
     batch_size = ctx.spec.evaluation.batch_size
     client_ids = ctx.training_clients if client_ids is None else client_ids
     if models_for is None:
-        models_for = lambda client: ctx.hooks.personalized_models(ctx=ctx, client=client)  # noqa: E731
+        models_for = lambda client: evaluated_models(ctx, client)  # noqa: E731
+    view = ctx.client_view()  # the client-side part sees what a round's client hooks see
     per_prefix: dict[str, tuple[list[float], list[float]]] = {}
     rows = []
     for cid in client_ids:
-        client = ctx.client(cid)
+        client = Client(view, cid, state=ctx.store[cid])
         models = models_for(client)
+        logged, resolved = view.take_reports()  # as the engine does with a round's client
+        for logged_id, values in logged:
+            ctx.log_client(logged_id, **values)
+        for name, value in resolved:
+            ctx.resolved_value(name, value)
         if not models:
             raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
         x = getattr(client.data, f"{split}_x")

@@ -13,12 +13,21 @@ A round, as the engine runs it (see docs/architecture.md)::
         upload_lost(ctx, client_id=i)                      # only if implemented: True drops it
     server_aggregate(ctx, uploads, weights)                # uploads: iterator of (i, upload)
     on_round_end(ctx, round)
-    every evaluation.every rounds: personalized_models(ctx, client) for every client
+    every evaluation.every rounds, for every client:
+        message = evaluation_message(ctx, client_id=i)     # server side, not counted
+        personalized_models(ctx, client, message)          # client side
 
 ``ctx`` is the :class:`pfl_core.context.RunContext`; ``client`` a
 :class:`pfl_core.context.Client`. Server state lives in ``ctx.server`` and per-client state
 in ``client.state`` (engine-owned stores): plugins keep no state of their own between rounds,
 so a round can run elsewhere and a run can be checkpointed.
+
+Client-side hooks (``on_receive``, ``local_train``, ``local_objective``, ``client_upload``,
+``personalized_models``, ``coldstart_personalize``) may use only their message, the client's
+own state (``client.*``) and read-only run data (``ctx.spec``, ``ctx.params``, ``ctx.data``,
+``ctx.models``, ``ctx.round`` ...); never ``ctx.server``, ``ctx.store``, ``ctx.tracker`` or
+``ctx.comm_*``: an executor may run them in another process or machine (see "The client-side
+contract" in docs/architecture.md).
 
 Hooks marked *firstresult* take the first non-None answer: the method's, since the core
 defaults are registered first and pluggy calls later registrations first. Use pluggy hook
@@ -110,15 +119,24 @@ class Hooks:
         """After aggregation. May return a dict of extra metrics to log for this round."""
 
     @hookspec(firstresult=True)
-    def personalized_models(self, ctx, client):
-        """The model(s) evaluated for this client: ``{metric_prefix: nn.Module}``; the prefix
-        ``""`` is the client's personalized model, others (``"server_"``) are logged beside."""
+    def evaluation_message(self, ctx, client_id):
+        """Server side, before each client is evaluated: what the client needs from the server
+        to build the model(s) it is evaluated with (e.g. the global weights), a dict like a
+        broadcast. Not counted as communication (evaluation measures, it is not a round).
+        Default: an empty message."""
 
     @hookspec(firstresult=True)
-    def coldstart_personalize(self, ctx, client):
-        """After the last round, for each cold-start client (held out of training): build its
-        personalized model(s) from the final federated state; same return shape as
-        ``personalized_models``. Default: broadcast to it, ``on_receive``, then
+    def personalized_models(self, ctx, client, message):
+        """Client side: the model(s) evaluated for this client, ``{metric_prefix: nn.Module}``;
+        the prefix ``""`` is the client's personalized model, others (``"server_"``) are logged
+        beside. ``message`` is ``evaluation_message``'s answer for this client."""
+
+    @hookspec(firstresult=True)
+    def coldstart_personalize(self, ctx, client, message):
+        """Client side, after the last round, for each cold-start client (held out of training):
+        build its personalized model(s) from ``message``, the server's broadcast to it (the
+        engine calls ``on_broadcast`` for it first; its bytes counted down); same return shape
+        as ``personalized_models``. Default: ``on_receive(message)``, then
         ``experiment.coldstart_epochs`` epochs of plain local training of ``client.model``."""
 
     @hookspec

@@ -9,6 +9,7 @@ from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.training import batch_order, batch_starts
+from pfl_core.evaluation import evaluated_models
 from plugins.apfl import APFL, APFLParams, alpha_step, mixture, mixture_gradients
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
                      refused_at_key, state_of)
@@ -84,7 +85,7 @@ def test_alpha_fixed_at_one_is_local_bit_for_bit(extra):
     assert trained == [i for i in range(4) if "v" in apfl.store[i]]
     for i in trained:
         assert_same(apfl.store[i]["v"], local.store[i]["weights"])
-        evaluated = apfl.hooks.personalized_models(ctx=apfl, client=apfl.client(i))[""]
+        evaluated = evaluated_models(apfl, apfl.client(i))[""]
         assert_same(state_of(evaluated), local.store[i]["weights"])
 
 
@@ -94,7 +95,7 @@ def test_alpha_fixed_at_zero_is_fedavg_bit_for_bit(extra):
     _, fedavg = run_rounds(**{**APFL_RAW, **extra, "algorithm.name": "fedavg"})
     assert_same(apfl.server["global"], fedavg.server["global"])
     for i in range(4):
-        evaluated = apfl.hooks.personalized_models(ctx=apfl, client=apfl.client(i))[""]
+        evaluated = evaluated_models(apfl, apfl.client(i))[""]
         assert_same(state_of(evaluated), fedavg.server["global"])
     assert apfl.comm_up == fedavg.comm_up and apfl.comm_down == fedavg.comm_down
 
@@ -188,7 +189,7 @@ def test_the_evaluated_model_is_the_mixture_of_the_clients_v_and_the_current_glo
     for i in range(4):
         alpha, v, w = ctx.store[i]["alpha"], ctx.store[i]["v"], ctx.server["global"]
         assert 0.0 < alpha < 1.0
-        evaluated = state_of(ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""])
+        evaluated = state_of(evaluated_models(ctx, ctx.client(i))[""])
         assert_close(evaluated, {k: alpha * v[k] + (1 - alpha) * w[k] for k in v})
         assert far_apart(evaluated, v, v) and far_apart(evaluated, w, w)
 
@@ -199,7 +200,7 @@ def test_a_client_that_never_trained_mixes_the_initial_weights_with_alpha_zero()
     idle = (ctx.participants[0] + 1) % 4
     assert ctx.store[idle] == {}
     init, w = ctx.models.initial_state("mlp"), ctx.server["global"]
-    evaluated = state_of(ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""])
+    evaluated = state_of(evaluated_models(ctx, ctx.client(idle))[""])
     assert_close(evaluated, {k: 0.25 * init[k] + 0.75 * w[k] for k in init})
 
 
@@ -240,5 +241,5 @@ def test_with_batchnorm_the_mixture_keeps_v_s_own_running_statistics():
         v, w = ctx.store[i]["v"], ctx.server["global"]
         assert v["bn1.running_mean"].abs().sum() > 0 and int(v["bn1.num_batches_tracked"]) > 0
         assert far_apart(v, w, ["bn1.running_mean"])  # v's statistics, not the global model's
-        evaluated = state_of(ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""])
+        evaluated = state_of(evaluated_models(ctx, ctx.client(i))[""])
         assert_same(evaluated, v, ["bn1.running_mean", "bn1.running_var"])

@@ -122,10 +122,10 @@ def test_coldstart_clients_never_train_and_are_scored_separately():
 def test_coldstart_with_zero_epochs_scores_the_global_model():
     result, engine = run_tiny(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 0,
                                  "data.params.num_devices": 5, "partition.num_clients": 5})
-    from pfl_core.evaluation import score
+    from pfl_core.evaluation import evaluated_models, score
 
     client = engine.ctx.client(engine.ctx.coldstart_clients[0])
-    model = engine.ctx.hooks.personalized_models(ctx=engine.ctx, client=client)[""]
+    model = evaluated_models(engine.ctx, client)[""]  # FedAvg's: the global model
     assert result.final["coldstart_acc_mean"] == score(model, client.data.test_x, client.data.test_y).accuracy
 
 

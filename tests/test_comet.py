@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from pfl_core.context import load_state
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
+from pfl_core.evaluation import evaluated_models
 from plugins.codistill import predict
 from plugins.comet import kmeans
 from tiny import run_tiny, tiny_raw
@@ -67,7 +68,7 @@ def test_one_cluster_target_is_the_mean_of_what_the_clients_sent():
     # The mean of what each client sent: its stored model's predictions on U.
     sent = []
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         sent.append(predict(model, ctx.data.public.x, 1.0))
     assert torch.allclose(targets[0], torch.stack(sent).mean(dim=0), atol=1e-6)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from plugins.ditto import Ditto, DittoParams
 from plugins.fedprox import proximal_term
 from harness import (assert_close, assert_same, dry_run_error, far_apart, linear, model_bytes, prepared,
@@ -140,10 +141,10 @@ def test_the_evaluated_model_is_the_personal_one_and_initial_before_any_training
     engine, ctx = prepared(**LINEAR, **{"experiment.participation": 0.25})
     engine.run_round(ctx, 1)
     (trained,) = ctx.participants
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(trained))[""]
+    model = evaluated_models(ctx, ctx.client(trained))[""]
     assert_same(model.state_dict(), ctx.store[trained]["personal"])
     idle = (trained + 1) % 4
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""]
+    model = evaluated_models(ctx, ctx.client(idle))[""]
     assert_same(model.state_dict(), ctx.models.initial_state("mlp"))
 
 
@@ -193,7 +194,7 @@ def test_a_coldstart_client_trains_its_personal_model_from_the_final_global_mode
     engine.run_round(ctx, 1)
     final = {k: v.clone() for k, v in ctx.server["global"].items()}
     client = ctx.client(2)
-    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)[""]
+    model = coldstart_models(ctx, client)[""]
     expected = train_reference(ctx, 2, final, epochs=2, loss_fn=prox_loss(final, 0.5))
     assert_close(state_of(model), expected)
     assert far_apart(expected, train_reference(ctx, 2, final, epochs=2), expected)  # the term is on

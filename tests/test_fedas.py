@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
+from pfl_core.evaluation import evaluated_models
 from plugins.fedas import FedAS, FedASParams, alignment_loss, fisher_trace
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
                      refused_at_key)
@@ -200,11 +201,11 @@ def test_evaluated_model_is_the_clients_local_model():
     engine, ctx = prepared(**BASE, **{"experiment.participation": 0.5})
     engine.run_round(ctx, 1)
     for i in ctx.participants:
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         assert_same(state, ctx.store[i]["weights"])
         assert far_apart(state, ctx.server["body"], BODY)  # its own theta_i, not the new global one
     idle = next(i for i in range(4) if i not in ctx.participants)
-    state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""].state_dict()
+    state = evaluated_models(ctx, ctx.client(idle))[""].state_dict()
     assert_same(state, ctx.models.initial_state("mlp"))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import score
+from pfl_core.evaluation import evaluated_models, score
 from plugins.fedavg import FedAvg
 from harness import (assert_close, assert_same, far_apart, fresh_model, mean_of, model_bytes, prepared,
                      recorded_training, shrink, train_reference)
@@ -120,7 +120,7 @@ def test_the_evaluated_model_is_the_global_model():
     glob = ctx.server["global"]
     assert far_apart(ctx.models.working("mlp").state_dict(), glob, glob)
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         assert_same(model.state_dict(), glob)
 
 

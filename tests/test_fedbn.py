@@ -8,6 +8,7 @@ import torch
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.zoo import ResNet18
+from pfl_core.evaluation import evaluated_models
 from plugins import fedbn as fedbn_module
 from plugins.fedbn import FedBN, batchnorm_keys
 from harness import assert_close, assert_same, far_apart, mean_of, model_bytes, prepared, recorded_training, \
@@ -50,7 +51,7 @@ def test_with_one_client_fedbn_is_fedavg_bit_for_bit():
     one = {"partition.scheme": "iid", "partition.num_clients": 1, "experiment.rounds": 3}
     _, fedbn = run_rounds(3, **{**RAW, **one})
     _, fedavg = run_rounds(3, **{**RAW, **one, "algorithm.name": "fedavg"})
-    evaluated = state_of(fedbn.hooks.personalized_models(ctx=fedbn, client=fedbn.client(0))[""])
+    evaluated = state_of(evaluated_models(fedbn, fedbn.client(0))[""])
     assert_same(evaluated, fedavg.server["global"])
     assert list(evaluated) == list(fedavg.server["global"])
     # ... and it sent less: no BatchNorm bytes
@@ -101,7 +102,7 @@ def test_the_evaluated_model_is_global_shared_layers_with_the_clients_batchnorm(
     shared, personal = FedBN().split_keys(ctx, "mlp")
     init = ctx.models.initial_state("mlp")
     for i in range(4):
-        evaluated = state_of(ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""])
+        evaluated = state_of(evaluated_models(ctx, ctx.client(i))[""])
         assert_same(evaluated, ctx.server["global"], shared)
         own = ctx.store[i].get("personal") or {k: init[k] for k in personal}  # never trained: the initial ones
         assert_same(evaluated, own, personal)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
+from pfl_core.evaluation import evaluated_models
 from plugins.fedpac import FedPAC, FedPACParams, combination_weights, combine, feature_statistics
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
                      refused_at_key)
@@ -268,11 +269,11 @@ def test_evaluated_model_is_the_global_body_with_the_combined_head():
     trained = ctx.participants
     idle = [i for i in range(4) if i not in trained]
     for i in trained:
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         assert_same(state, ctx.server["body"], BODY)
         assert_same(state, ctx.server["heads"][i], HEAD)
         assert far_apart(ctx.server["heads"][i], ctx.store[i]["head"], HEAD, atol=1e-7)  # combined != own
-    state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle[0]))[""].state_dict()
+    state = evaluated_models(ctx, ctx.client(idle[0]))[""].state_dict()
     assert_same(state, ctx.models.initial_state("mlp"), HEAD)
     # the combined head is what the client starts from next time
     client = ctx.client(trained[0])

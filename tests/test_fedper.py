@@ -5,6 +5,7 @@ import torch
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
+from pfl_core.evaluation import evaluated_models
 from tiny import run_tiny, tiny_raw
 
 FAST = {"experiment.rounds": 2}
@@ -13,7 +14,7 @@ FAST = {"experiment.rounds": 2}
 def test_fedper_shares_the_body_and_keeps_heads_personal():
     result, engine = run_tiny(**FAST, **{"algorithm.name": "fedper"})
     ctx = engine.ctx
-    assert ctx.server["head_keys"] == ["fc2.weight", "fc2.bias"]  # mlp [16]: fc1 body, fc2 head
+    assert engine.resolved.algorithm.head_keys(ctx) == ["fc2.weight", "fc2.bias"]  # mlp [16]: fc1 body, fc2 head
     assert set(ctx.server["body"]) == {"fc1.weight", "fc1.bias"}
     heads = [ctx.store[i]["head"]["fc2.weight"] for i in range(4)]
     assert not torch.equal(heads[0], heads[1])
@@ -91,7 +92,7 @@ def test_fedper_body_is_sample_weighted_and_heads_stay_home():
     sat_out = next(i for i in range(4) if i not in ctx.participants)
     initial = ctx.models.initial_state("mlp")
     for i, head in ((a, ctx.store[a]["head"]), (sat_out, initial)):
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         assert all(torch.equal(state[k], ctx.server["body"][k]) for k in BODY)
         assert all(torch.equal(state[k], head[k]) for k in HEAD)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
+from pfl_core.evaluation import evaluated_models
 from plugins.fedphp import FedPHP, FedPHPParams, distillation, inheritance, mmd, moving_average
 from harness import (assert_close, assert_same, dry_run_error, far_apart, model_bytes, prepared, recorded_training,
                      refused_at_key, train_reference)
@@ -207,10 +208,10 @@ def test_the_evaluated_model_is_the_hpm_and_initial_before_any_training():
     engine, ctx = prepared(**BASE, **{"experiment.participation": 0.25})
     engine.run_round(ctx, 1)
     (trained,) = ctx.participants
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(trained))[""]
+    model = evaluated_models(ctx, ctx.client(trained))[""]
     assert_same(model.state_dict(), ctx.store[trained]["hpm"])
     idle = (trained + 1) % 4
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""]
+    model = evaluated_models(ctx, ctx.client(idle))[""]
     assert_same(model.state_dict(), ctx.models.initial_state("mlp"))
 
 

@@ -64,6 +64,7 @@ import types  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pfl_core.engine import Engine  # noqa: E402
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from plugins.fedproto import FedProto, capture_embedding  # noqa: E402
 
 
@@ -133,7 +134,7 @@ def test_evaluated_model_is_the_nearest_global_prototype_on_the_own_embedding():
     for i in range(4):
         weights = ctx.store[i].get("weights") or ctx.models.initial_state("mlp")
         x = ctx.data.clients[i].test_x
-        models = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))
+        models = evaluated_models(ctx, ctx.client(i))
         with torch.no_grad():
             dist = ((embedding(ctx, weights, x)[:, None, :] - table[None]) ** 2).sum(-1)
             expected = torch.tensor(classes)[dist.argmin(1)]
@@ -155,7 +156,7 @@ def test_coldstart_trains_with_the_regulariser_and_is_scored_by_prototypes():
         seen.append(len(terms))
         return terms
     ctx.hooks.local_objective = spy
-    models = ctx.hooks.coldstart_personalize(ctx=ctx, client=ctx.client(n))
+    models = coldstart_models(ctx, ctx.client(n))
     assert seen and all(k == 2 for k in seen)  # CE and the prototype term on every batch
     assert set(models) == {"", "local_"} and models[""].prototypes is ctx.server["prototypes"]
     result, _ = run_tiny(**{"algorithm.name": "fedproto", "experiment.rounds": 2, "experiment.coldstart_clients": 1})

@@ -9,6 +9,7 @@ from pfl_core.context import clone_state
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.training import make_optimizer, run_epochs
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from tiny import run_tiny, tiny_raw
 
 BODY, HEAD = {"fc1.weight", "fc1.bias"}, {"fc2.weight", "fc2.bias"}  # mlp [16]: fc1 body, fc2 head
@@ -128,7 +129,7 @@ def test_evaluated_model_is_the_global_body_with_the_own_head():
     sat_out = next(i for i in range(4) if i not in ctx.participants)
     initial = ctx.models.initial_state("mlp")
     for i, head in ((ctx.participants[0], ctx.store[ctx.participants[0]]["head"]), (sat_out, initial)):
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         assert all(torch.equal(state[k], ctx.server["body"][k]) for k in BODY)
         assert all(torch.equal(state[k], head[k]) for k in HEAD)
 
@@ -146,7 +147,7 @@ def test_coldstart_trains_only_the_head_on_the_final_body():
     engine, ctx = prepared(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 2})
     engine.run_round(ctx, 1)
     (n,) = ctx.coldstart_clients
-    models = ctx.hooks.coldstart_personalize(ctx=ctx, client=ctx.client(n))
+    models = coldstart_models(ctx, ctx.client(n))
     state = models[""].state_dict()
     assert all(torch.equal(state[k], ctx.server["body"][k]) for k in BODY)  # body frozen
     initial = ctx.models.initial_state("mlp")

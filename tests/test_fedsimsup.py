@@ -15,6 +15,7 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.zoo import LeNet5
 from pfl_core.training import make_optimizer, run_epochs
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from plugins.fedsimsup import (FedSimSup, Summed, beta_schedule, cosine_similarity, label_proportions, lambdas,
                                mix_non_participants, mixing_weights)
 from tiny import tiny_raw
@@ -104,7 +105,7 @@ def test_participants_unchanged_by_aggregation():
     ctx = types.SimpleNamespace(
         server={"theta": {0: {"w": torch.zeros(2)}, 1: {"w": torch.zeros(2)}, 2: {"w": torch.ones(2)}},
                 "similarity": {i: {j: 1.0 for j in range(3)} for i in range(3)},
-                "sizes": {0: 10, 1: 10, 2: 10}, "proportions_sent": set()},
+                "sizes": {0: 10, 1: 10, 2: 10}},
         round=1, spec=types.SimpleNamespace(experiment=types.SimpleNamespace(rounds=5)), log=lambda *a, **k: None)
 
     def uploads():
@@ -115,7 +116,6 @@ def test_participants_unchanged_by_aggregation():
     plugin.server_aggregate(ctx, uploads(), {0: 0.5, 1: 0.5})
     assert torch.equal(ctx.server["theta"][0]["w"], torch.tensor([1.0, 2.0]))
     assert torch.equal(ctx.server["theta"][1]["w"], torch.tensor([3.0, 4.0]))
-    assert ctx.server["proportions_sent"] == {0}
     # client 2: lambda = 20 / (20 + 2 * 10) = 1/2, mix = (2, 3): theta_2 = (1 + 2, 1 + 3) / 2
     assert torch.allclose(ctx.server["theta"][2]["w"], torch.tensor([1.5, 2.0]))
 
@@ -305,7 +305,7 @@ def test_evaluated_model_is_the_sum_of_theta_and_the_supervisor():
     sat_out = next(i for i in range(4) if i not in ctx.participants)
     x = ctx.data.clients[0].test_x
     for i in (ctx.participants[0], sat_out):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         inter = load_state(ctx.models.build("mlp"), ctx.server["theta"][i])
         from plugins.fedsimsup import build_supervisor
         sup = build_supervisor(ctx, "mlp", "algorithm")
@@ -435,7 +435,7 @@ def test_coldstart_starts_from_the_hand_computed_mix_then_trains():
         return train(**kw)
     client.train = spy
     up, down = ctx.comm_up, ctx.comm_down
-    models = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)
+    models = coldstart_models(ctx, client)
     theta_start, sup_start = starts[0]
     for key, value in expected.items():  # before fine-tuning: the similarity mix ...
         assert torch.allclose(theta_start[key], value, atol=1e-6), key

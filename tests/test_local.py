@@ -3,7 +3,7 @@ the personal model evaluated. Expected weights are recomputed independently (tes
 
 import torch
 
-from pfl_core.evaluation import evaluate_clients, score
+from pfl_core.evaluation import evaluate_clients, evaluated_models, score
 from harness import assert_close, assert_same, far_apart, fresh_model, prepared, recorded_training, train_reference
 
 LOCAL = {"algorithm.name": "local", "model.params.hidden": [], "experiment.rounds": 2}
@@ -60,7 +60,7 @@ def test_the_evaluated_model_is_the_clients_own():
     engine, ctx = prepared(**LOCAL)
     engine.run_round(ctx, 1)
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         assert_same(model.state_dict(), ctx.store[i]["weights"])
     _, rows = evaluate_clients(ctx)
     for row in rows:
@@ -75,7 +75,7 @@ def test_a_client_that_never_trained_is_evaluated_with_the_initial_weights():
     (trained,) = ctx.participants
     idle = (trained + 1) % 4
     assert ctx.store[idle] == {}
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""]
+    model = evaluated_models(ctx, ctx.client(idle))[""]
     assert_same(model.state_dict(), ctx.models.initial_state("mlp"))
 
 

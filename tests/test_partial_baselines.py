@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pfl_core.engine import resolve
-from pfl_core.evaluation import evaluate_clients, score
+from pfl_core.evaluation import evaluate_clients, evaluated_models, score
 from harness import (assert_close, assert_same, far_apart, fresh_model, mean_of, model_bytes, prepared,
                      recorded_training, shrink, train_reference)
 from tiny import tiny_raw
@@ -172,7 +172,7 @@ def test_fedbabu_evaluates_the_global_model_fine_tuned_as_a_whole():
         with torch.no_grad():  # whatever another client left in the working model
             for p in ctx.models.working("mlp").parameters():
                 p.add_(1.0)
-        tuned = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        tuned = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         expected = train_reference(ctx, i, glob, epochs=2)  # every layer, from body + initial head
         assert_close(tuned, expected)
         assert far_apart(tuned, glob, FC3) and far_apart(tuned, glob, FC1)
@@ -238,7 +238,7 @@ def test_the_evaluated_model_is_the_global_shared_part_with_the_clients_own_part
     engine, ctx = start(name)
     engine.run_round(ctx, 1)
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         expected = merged(ctx.server["global"], shared, ctx.store[i]["personal"])
         assert_same(model.state_dict(), expected)
     assert far_apart(ctx.store[0]["personal"], ctx.store[1]["personal"], personal)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.training import batch_order, batch_starts
+from pfl_core.evaluation import evaluated_models
 from plugins.perfedavg import PerFedAvg, PerFedAvgParams, adaptation_step, meta_step
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
                      refused_at_key, state_of)
@@ -95,7 +96,7 @@ def test_hf_meta_gradient_approximates_the_exact_maml_gradient():
 def test_zero_adaptation_steps_evaluate_the_meta_model_bit_for_bit():
     ctx = run_rounds(1, **RAW, **{"algorithm.params.eval_steps": 0})
     for i in range(4):
-        model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""]
+        model = evaluated_models(ctx, ctx.client(i))[""]
         assert_same(state_of(model), ctx.server["global"])
 
 
@@ -106,7 +107,7 @@ def test_the_evaluated_model_is_the_meta_model_after_steps_of_adaptation_on_trai
     meta = {k: v.clone() for k, v in ctx.server["global"].items()}
     for i in range(4):
         client = ctx.client(i)
-        evaluated = state_of(ctx.hooks.personalized_models(ctx=ctx, client=client)[""])
+        evaluated = state_of(evaluated_models(ctx, client)[""])
         model = fresh_model(ctx, ctx.server["global"])
         data = ctx.data.clients[i]
         order = batch_order(len(data.train_y), client.generator("adapt"), True)

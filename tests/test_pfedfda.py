@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
+from pfl_core.evaluation import evaluated_models
 from plugins.pfedfda import (PFedFDAParams, class_priors, cv_loss, cv_parts, interpolate, lda_head,
                              local_estimates, solve_beta, stratified_folds)
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
@@ -241,7 +242,7 @@ def test_the_evaluated_model_is_the_global_body_with_a_head_adapted_at_test_time
     engine.run_round(ctx, 1)
     glob = (ctx.server["means"], ctx.server["cov"])
     for i in range(4):  # participants and idle clients alike
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         assert_same(state, ctx.server["body"], BODY)
         x, y = ctx.data.clients[i].train_x, ctx.data.clients[i].train_y
         z = features(x, ctx.server["body"])
@@ -258,7 +259,7 @@ def test_local_beta_uses_only_the_local_estimates():
     engine.run_round(ctx, 1)
     for i in range(4):  # (with beta = "single" some of these clients get beta well below 1)
         x, y = ctx.data.clients[i].train_x, ctx.data.clients[i].train_y
-        state = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(i))[""].state_dict()
+        state = evaluated_models(ctx, ctx.client(i))[""].state_dict()
         means, cov = local_estimates(features(x, ctx.server["body"]), y, ctx.server["means"], 2, 1e-4)
         assert_head_close(state, lda_state(means, cov, y, ctx.num_classes))
         assert ctx.store[i]["beta"] == (1.0, 1.0)

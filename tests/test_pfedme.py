@@ -11,6 +11,7 @@ from torch import nn
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.training import batch_order, batch_starts
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from plugins.pfedme import PFedMe, PFedMeParams, moreau_step, server_step
 from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
                      refused_at_key, state_of)
@@ -185,11 +186,11 @@ def test_the_evaluated_model_is_theta_and_the_global_model_before_any_training()
     engine, ctx = prepared(**RAW, **{"experiment.participation": 0.25})
     engine.run_round(ctx, 1)
     (trained,) = ctx.participants
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(trained))[""]
+    model = evaluated_models(ctx, ctx.client(trained))[""]
     assert_same(state_of(model), ctx.store[trained]["personal"])
     assert far_apart(ctx.store[trained]["personal"], ctx.server["global"], ctx.server["global"])
     idle = (trained + 1) % 4
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""]
+    model = evaluated_models(ctx, ctx.client(idle))[""]
     assert_same(state_of(model), ctx.server["global"])
 
 
@@ -198,7 +199,7 @@ def test_a_coldstart_client_is_evaluated_with_its_own_theta_trained_from_the_glo
     engine.run_round(ctx, 1)
     client = ctx.client(ctx.coldstart_clients[0])
     assert "personal" not in ctx.store[client.id]  # it never trained
-    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)[""]
+    model = coldstart_models(ctx, client)[""]
     assert_same(state_of(model), ctx.store[client.id]["personal"])  # theta_i, not w
     assert far_apart(ctx.store[client.id]["personal"], ctx.server["global"], ctx.server["global"])
 

@@ -14,7 +14,7 @@ from pfl_core import seeding
 from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import score
+from pfl_core.evaluation import coldstart_models, evaluated_models, score
 from pfl_core.models.layers import layer_keys
 from plugins import pmixfed
 from plugins.partial import partial_average
@@ -140,8 +140,10 @@ def test_bytes_per_round_lie_strictly_between_fedalt_fedsim_and_fedavg_at_the_ne
     layers = layer_keys(engine.ctx.models.working("mlp"))
     full = nbytes_of(glob, [k for keys in layers for k in keys])
     head = nbytes_of(glob, layers[-1])
-    # mu = [1, 2/3, 1/3, 0]: down every layer but the head; up every layer (none frozen + head)
-    assert mixed.final["comm_down_bytes"] == 4 * (full - head)
+    # mu = [1, 2/3, 1/3, 0]: down every layer but the head, with the three sent layers' degrees
+    # (the client needs the fractional ones to mix; 8 bytes a number); up every layer (none
+    # frozen + head)
+    assert mixed.final["comm_down_bytes"] == 4 * (full - head + 3 * 8)
     assert mixed.final["comm_up_bytes"] == 4 * full
     total = {"pmixfed": mixed.final["comm_up_bytes"] + mixed.final["comm_down_bytes"]}
     for name in ("fedalt", "fedsim", "fedavg"):
@@ -175,7 +177,7 @@ def test_mu_one_below_the_head_and_nu_zero_is_fedper_bit_for_bit(monkeypatch):
               "experiment.rounds": 3}
     _, per = run_tiny(**common, **{"algorithm.name": "fedper"})
     _, mixed = run_tiny(**common, **{"algorithm.name": "pmixfed", "algorithm.params.schedule": "fedper"})
-    body, head = per.ctx.server["body_keys"], per.ctx.server["head_keys"]
+    body, head = per.resolved.algorithm.split(per.ctx)
     assert head == layer_keys(per.ctx.models.working("mlp"))[-1]
     glob = mixed.ctx.server["global"]
     assert all(torch.equal(glob[k], per.ctx.server["body"][k]) for k in body)  # FedAvg of the bodies
@@ -223,9 +225,11 @@ def test_global_head_is_the_weighted_average_of_the_uploaded_local_heads():
 
 
 def _loaded(ctx, client_id):
-    """Client ``client_id`` with its stored local model in the working module (as after training)."""
+    """Client ``client_id`` as after training: its stored local model in the working module and
+    the mixing degrees its broadcast told it (``on_receive`` keeps them in its scratch)."""
     client = ctx.client(client_id)
     client.model.load_state_dict(ctx.store[client_id]["local"])
+    client.scratch["mu"] = list(ctx.server["mix"][client_id]["mu"])
     return client
 
 
@@ -363,10 +367,12 @@ def test_dacc_is_measured_on_the_validation_split_at_broadcast_and_aggregation()
     dacc = np.mean(acc_global) - np.mean(acc_local)
     assert dacc != 0
     assert ctx.round_metrics["gamma_agg"] == pytest.approx(sig(k * progress * dacc - b))
-    # each upload carries the two validation accuracies: 16 bytes on top of the sent layers
+    # the server measured the global model's accuracy itself at the broadcast; each upload adds
+    # only the fresh local one (8 bytes on top of the sent layers)
+    assert ctx.server["mix"][2]["acc_global"] == pytest.approx(acc_global[2])
     upload = ctx.hooks.client_upload(ctx=ctx, client=_trained(ctx, 2))
-    assert set(upload) == {"weights", "val_acc_local", "val_acc_global"}
-    assert upload["val_acc_global"] == pytest.approx(acc_global[2])
+    assert set(upload) == {"weights", "val_acc_local"}
+    assert upload["val_acc_local"] == 0.5  # the client's own, as it measured it
 
 
 def test_without_a_validation_split_dacc_is_zero_and_nothing_is_sent():
@@ -394,7 +400,10 @@ def test_a_two_layer_model_shares_its_base_and_averages_its_head():
 
 
 def _trained(ctx, client_id):
+    """A client as after on_receive and local_train: it holds its mixing degrees (what its
+    broadcast said) and a local validation accuracy."""
     client = ctx.client(client_id)
+    client.scratch["mu"] = list(ctx.server["mix"][client_id]["mu"])
     client.scratch["acc_local"] = 0.5
     return client
 
@@ -423,7 +432,7 @@ def test_a_shallower_client_leaves_the_deeper_layers_to_the_others(tmp_path, mon
     })
     del raw["model"]["params"]
     engine, ctx = drive(raw, 1)
-    keymap, glob = ctx.server["keymap"], ctx.server["global"]
+    keymap, glob = engine.resolved.algorithm.layout(ctx)[1], ctx.server["global"]
     assert keymap["cnn2"]["conv1.weight"] == keymap["lenet5"]["conv1.weight"] == "conv1.weight"
     assert keymap["cnn2"]["conv2.weight"] == "conv2.weight@cnn2"  # another shape: its own entry
     p = sample_weights(ctx, range(4))
@@ -432,7 +441,7 @@ def test_a_shallower_client_leaves_the_deeper_layers_to_the_others(tmp_path, mon
     assert torch.allclose(glob["conv1.weight"], shared, atol=1e-6)
     deep = (p[0] * local[0]["fc3.weight"] + p[2] * local[2]["fc3.weight"]) / (p[0] + p[2])
     assert torch.allclose(glob["fc3.weight"], deep, atol=1e-6)  # only the lenet5 clients
-    assert "fc3.weight" not in ctx.hooks.client_upload(ctx=ctx, client=ctx.client(1))["weights"]
+    assert "fc3.weight" not in ctx.hooks.client_upload(ctx=ctx, client=_trained(ctx, 1))["weights"]
     assert [len(ctx.server["mix"][i]["mu"]) for i in range(4)] == [5, 4, 5, 4]  # each on its own L
 
 
@@ -444,7 +453,7 @@ def test_coldstart_client_starts_from_the_whole_global_model_with_its_trained_he
                                        "experiment.rounds": 2})
     ctx = engine.ctx
     client = ctx.client(ctx.coldstart_clients[0])
-    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=client)[""]
+    model = coldstart_models(ctx, client)[""]
     glob, init = ctx.server["global"], ctx.models.initial_state("mlp")
     assert all(torch.equal(v, glob[k]) for k, v in model.state_dict().items())
     head = layer_keys(ctx.models.working("mlp"))[-1]
@@ -456,10 +465,10 @@ def test_a_client_that_never_trained_is_evaluated_with_the_global_model():
     raw = tiny_raw(**DEEP, **{"experiment.participation": 0.25})
     engine, ctx = drive(raw, 1)
     idle = next(i for i in range(4) if i not in ctx.participants)
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(idle))[""]
+    model = evaluated_models(ctx, ctx.client(idle))[""]
     assert all(torch.equal(v, ctx.server["global"][k]) for k, v in model.state_dict().items())
     trained = ctx.participants[0]
-    model = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(trained))[""]
+    model = evaluated_models(ctx, ctx.client(trained))[""]
     assert all(torch.equal(v, ctx.store[trained]["local"][k]) for k, v in model.state_dict().items())
 
 

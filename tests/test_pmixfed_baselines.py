@@ -9,6 +9,7 @@ from pfl_core.cli import run_main
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.layers import layer_keys
+from pfl_core.evaluation import coldstart_models, evaluated_models
 from tiny import run_tiny, tiny_raw
 
 # layers fc1, fc2, fc3 (middle split k = 1); small data, 2 rounds: fast on a loaded machine
@@ -56,7 +57,7 @@ def test_fedalt_updates_the_personal_part_with_the_shared_part_fixed():
 def test_fedalt_coldstart_reconstructs_only_the_personal_part():
     result, engine = run_tiny(**DEEP, **{"algorithm.name": "fedalt", "experiment.coldstart_clients": 1})
     ctx = engine.ctx
-    model = ctx.hooks.coldstart_personalize(ctx=ctx, client=ctx.client(ctx.coldstart_clients[0]))[""]
+    model = coldstart_models(ctx, ctx.client(ctx.coldstart_clients[0]))[""]
     state, base = model.state_dict(), keys_of(engine)[0]
     assert all(torch.equal(state[k], ctx.server["global"][k]) for k in base)
     assert "coldstart_acc_mean" in result.final
@@ -72,7 +73,7 @@ def test_fedbabu_keeps_the_head_at_its_initialisation_and_fine_tunes_at_evaluati
     model_bytes = state_bytes(glob, layers[0] + layers[1])
     assert result.final["comm_up_bytes"] == 3 * 2 * model_bytes  # 3 training clients, 2 rounds
     ctx = engine.ctx
-    tuned = ctx.hooks.personalized_models(ctx=ctx, client=ctx.client(ctx.training_clients[0]))[""].state_dict()
+    tuned = evaluated_models(ctx, ctx.client(ctx.training_clients[0]))[""].state_dict()
     assert any(not torch.equal(tuned[k], init[k]) for k in layers[2])  # fine-tuning moves the head
     assert all(torch.equal(glob[k], init[k]) for k in layers[2])  # ... but not the global one
     assert "coldstart_acc_mean" in result.final
@@ -121,10 +122,11 @@ def test_cli_dry_run_exits_2_on_a_bad_split(tmp_path, capsys):
 # -- one split parameter (issue 13): head_layers, counted from the output; defaults unchanged --
 
 
-def head_keys(ctx, name):
+def head_keys(engine, ctx, name):
+    method = engine.resolved.algorithm
     if name in ("fedper", "fedrep"):
-        return ctx.server["head_keys"]
-    shared, personal = ctx.server["partial_keys"]["mlp"]
+        return method.head_keys(ctx)
+    shared, personal = method.split_keys(ctx, "mlp")
     return shared if name == "lgfedavg" else personal  # LG-FedAvg shares the head
 
 
@@ -144,8 +146,8 @@ def fc(*layers):
 def test_the_default_head_of_every_split_method_is_unchanged(hidden, name, head):
     from harness import prepared
 
-    _, ctx = prepared(**{"model.params.hidden": hidden, "algorithm.name": name})
-    assert head_keys(ctx, name) == head
+    engine, ctx = prepared(**{"model.params.hidden": hidden, "algorithm.name": name})
+    assert head_keys(engine, ctx, name) == head
 
 
 @pytest.mark.parametrize("name, head_layers, head", [("fedalt", 1, fc(3)), ("lgfedavg", 2, fc(2, 3)),
@@ -153,5 +155,5 @@ def test_the_default_head_of_every_split_method_is_unchanged(hidden, name, head)
 def test_head_layers_counts_the_same_layers_in_every_split_method(name, head_layers, head):
     from harness import prepared
 
-    _, ctx = prepared(**DEEP, **{"algorithm.name": name, "algorithm.params.head_layers": head_layers})
-    assert head_keys(ctx, name) == head
+    engine, ctx = prepared(**DEEP, **{"algorithm.name": name, "algorithm.params.head_layers": head_layers})
+    assert head_keys(engine, ctx, name) == head

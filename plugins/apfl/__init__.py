@@ -166,14 +166,14 @@ class APFL(FedAvg):
         return self.local_update(ctx, client, ctx.spec.training.local_epochs)
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return {"": self.personalised_model(ctx, client, ctx.server["global"])}
+    def personalized_models(self, ctx, client, message):
+        return {"": self.personalised_model(ctx, client, message["weights"])}  # the global w
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)
         self.local_update(ctx, client, ctx.spec.experiment.coldstart_epochs)
-        return {"": self.personalised_model(ctx, client, ctx.server["global"])}
+        return {"": self.personalised_model(ctx, client, message["weights"])}
 
 
 __all__ = ["APFL", "APFLParams", "alpha_step", "mixture", "mixture_gradients"]

@@ -163,7 +163,7 @@ class PublicPredictionMethod(Plugin):
     # -- evaluation -------------------------------------------------------------------
 
     @hookimpl
-    def personalized_models(self, ctx, client):
+    def personalized_models(self, ctx, client, message):
         return {"": load_personal(ctx, client)}
 
     @staticmethod

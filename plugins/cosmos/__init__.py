@@ -237,11 +237,18 @@ class Cosmos(PublicPredictionMethod):
     # -- evaluation -----------------------------------------------------------------
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        models = super().personalized_models(ctx, client)
+    def evaluation_message(self, ctx, client_id):
+        """h_pi(i), the weights of the client's cluster model, once there is one."""
         cluster_models = ctx.server.get("cluster_models", {})
         for k, members in enumerate(ctx.server.get("clusters", [])):
-            if client.id in members and k in cluster_models:  # h_pi(i): the paper's personalisation risk
-                server = ctx.models.working(self.params.server_arch, slot="server")
-                models["server_"] = load_state(server, cluster_models[k])
+            if client_id in members and k in cluster_models:
+                return {"cluster_model": cluster_models[k]}
+        return {}
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        models = super().personalized_models(ctx, client, message)
+        if "cluster_model" in message:  # h_pi(i): the paper's personalisation risk
+            server = ctx.models.working(self.params.server_arch, slot="server")
+            models["server_"] = load_state(server, message["cluster_model"])
         return models

@@ -118,12 +118,16 @@ class Ditto(AnchoredFedAvg):
         return {"weights": client.scratch["upload"]}
 
     @hookimpl
-    def personalized_models(self, ctx, client):
+    def evaluation_message(self, ctx, client_id):
+        return {}  # v_k is evaluated: nothing from the server
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
         return {"": self.load_personal(ctx, client)}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)
         client.state["personal"] = clone_state(client.model)  # v starts at the final w
         self.train_personal(ctx, client, client.scratch["w_t"], ctx.spec.experiment.coldstart_epochs)
         return {"": client.model}

@@ -63,7 +63,7 @@ class FedAlt(PartialModel):
         return metrics
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)
         self.train_part(ctx, client, self.personal_keys(ctx, client.arch), ctx.spec.experiment.coldstart_epochs)
         return {"": client.model}

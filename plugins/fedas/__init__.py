@@ -141,7 +141,7 @@ class FedAS(ClassifierSplit):
     @hookimpl
     def local_train(self, ctx, client):
         model = client.model
-        body = set(ctx.server["body_keys"])  # FedPer's setup
+        body = set(self.body_keys(ctx))  # FedPer's split
         if self.params.align_epochs:  # (A2): theta^t alone
             store = {}
             with capture_embedding(model, store), only_training(model, body) as params:
@@ -184,7 +184,11 @@ class FedAS(ClassifierSplit):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
+    def evaluation_message(self, ctx, client_id):
+        return {}  # the client's own model: nothing from the server
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
         return {"": self.load_local(ctx, client)}
 
 

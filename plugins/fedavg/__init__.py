@@ -61,5 +61,9 @@ class FedAvg(Plugin):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return {"": load_state(client.model, ctx.server["global"])}
+    def evaluation_message(self, ctx, client_id):
+        return {"weights": ctx.server["global"]}
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        return {"": load_state(client.model, message["weights"])}

@@ -55,8 +55,9 @@ class FedBABU(PartialModel):
             return client.train(optimizer=client.optimizer(params=body))
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        model = load_state(client.model, ctx.server["global"])  # body + initial head
+    def personalized_models(self, ctx, client, message):
+        model = self.load_personal(ctx, client)  # the seeded initial head: nothing personal is kept
+        load_state(model, message["weights"])  # + the global body
         if self.params.finetune_epochs:
             client.train(epochs=self.params.finetune_epochs)
         return {"": model}

@@ -87,17 +87,17 @@ class FedBN(PartialModel):
     name = "fedbn"
     Params = NoParams
 
-    def split_keys(self, ctx, arch: str) -> tuple[list[str], list[str]]:
+    def _split(self, ctx, arch: str) -> tuple[list[str], list[str]]:
         """(shared: every non-BatchNorm key, personal: the BatchNorm keys), state-dict order."""
-        cache = ctx.server.setdefault("partial_keys", {})
-        if arch not in cache:
-            model = ctx.models.working(arch)
-            personal = batchnorm_keys(model)
-            if not personal:
-                raise no_batchnorm(model_key(ctx.spec), arch)
-            keys = list(model.state_dict())
-            cache[arch] = ([k for k in keys if k not in personal], [k for k in keys if k in personal])
-        return cache[arch]
+        model = ctx.models.working(arch)
+        personal = batchnorm_keys(model)
+        if not personal:
+            raise no_batchnorm(model_key(ctx.spec), arch)
+        keys = list(model.state_dict())
+        return [k for k in keys if k not in personal], [k for k in keys if k in personal]
+
+    def log_resolved_split(self, ctx, arch: str) -> None:
+        pass  # no head_layers to resolve: the split is by module type
 
     @hookimpl
     def check_spec(self, spec):

@@ -209,11 +209,19 @@ class FedPAC(ClassifierSplit):
         super().setup(ctx)  # body/head keys, theta^0
         ctx.server["centroids"], ctx.server["heads"] = {}, {}
 
-    def load_personal(self, ctx, client):
-        """Evaluation: the global theta with phi-hat_i (else the client's phi_i, else the initial head)."""
-        super().load_personal(ctx, client)
-        combined = ctx.server["heads"].get(client.id)
-        return load_state(client.model, combined) if combined is not None else client.model
+    @hookimpl
+    def evaluation_message(self, ctx, client_id):
+        """The global theta and, for a client that took part in a collaboration, its phi-hat_i."""
+        message = {"body": ctx.server["body"]}
+        if client_id in ctx.server["heads"]:
+            message["head"] = ctx.server["heads"][client_id]
+        return message
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        """The global theta with phi-hat_i (else the client's phi_i, else the initial head)."""
+        model = self.load_personal(ctx, client, message["body"])
+        return {"": load_state(model, message["head"]) if "head" in message else model}
 
     @hookimpl
     def on_broadcast(self, ctx, client_id):
@@ -240,7 +248,7 @@ class FedPAC(ClassifierSplit):
         if self.params.collaborate:  # (P1)-(P2) with the received theta^t
             client.scratch["stats"] = feature_statistics(embeddings(model, data.train_x), data.train_y,
                                                          ctx.num_classes)
-        head, body = set(ctx.server["head_keys"]), set(ctx.server["body_keys"])  # FedPer's setup
+        head, body = set(self.head_keys(ctx)), set(self.body_keys(ctx))  # FedPer's split
         metrics = {}
         if self.params.head_epochs:
             with only_training(model, head) as params:
@@ -272,7 +280,7 @@ class FedPAC(ClassifierSplit):
         if self.params.collaborate:
             state = model.state_dict()
             v, h = client.scratch["stats"]
-            message.update(head={k: state[k] for k in ctx.server["head_keys"]}, v=v, h=h.float())
+            message.update(head={k: state[k] for k in self.head_keys(ctx)}, v=v, h=h.float())
         return message
 
     @hookimpl

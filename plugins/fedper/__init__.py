@@ -27,6 +27,7 @@ from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least
 from pfl_core.models.layers import parameterised_layers, split_at
 from plugins.fedavg import require_single_architecture
+from plugins.per_run import per_run
 
 
 @define
@@ -56,19 +57,31 @@ class FedPer(Plugin):
     def check_spec(self, spec):
         require_single_architecture(spec, self.name)  # the base is averaged
 
+    def split(self, ctx) -> tuple[list[str], list[str]]:
+        """(body keys, head keys) of the run's one architecture: computed by whichever side needs
+        them (a function of the model and ``head_layers``), once per run."""
+        arch = ctx.models.arch_of(0)  # one architecture (check_spec)
+        return per_run(ctx, self, "body_head", lambda: body_head_keys(ctx, arch, self.params.head_layers,
+                                                                      self.spec_path))
+
+    def body_keys(self, ctx) -> list[str]:
+        return self.split(ctx)[0]
+
+    def head_keys(self, ctx) -> list[str]:
+        return self.split(ctx)[1]
+
     @hookimpl
     def setup(self, ctx):
-        arch = ctx.models.arch_of(ctx.training_clients[0])
-        body, head = body_head_keys(ctx, arch, self.params.head_layers, self.spec_path)
-        initial = ctx.models.initial_state(arch)
-        ctx.server["body_keys"], ctx.server["head_keys"] = body, head
+        body = self.body_keys(ctx)  # a head_layers the model cannot take fails here
+        initial = ctx.models.initial_state(ctx.models.arch_of(0))
         ctx.server["body"] = {k: initial[k].clone() for k in body}
 
-    def load_personal(self, ctx, client):
-        """Global body + the client's own head (seeded initial head before it first trains)."""
-        load_state(client.model, ctx.server["body"])
+    def load_personal(self, ctx, client, body):
+        """``body`` + the client's own head (seeded initial head before it first trains)."""
+        load_state(client.model, body)
+        head_keys = set(self.head_keys(ctx))
         head = client.state.get("head") or {k: v for k, v in ctx.models.initial_state(client.arch).items()
-                                             if k in ctx.server["head_keys"]}
+                                             if k in head_keys}
         return load_state(client.model, head)
 
     @hookimpl
@@ -77,8 +90,7 @@ class FedPer(Plugin):
 
     @hookimpl
     def on_receive(self, ctx, client, message):
-        self.load_personal(ctx, client)
-        load_state(client.model, message["body"])
+        self.load_personal(ctx, client, message["body"])
         return True
 
     @hookimpl
@@ -89,12 +101,12 @@ class FedPer(Plugin):
 
     def keep_head(self, ctx, client):
         state = client.model.state_dict()
-        client.state["head"] = {k: state[k].detach().clone() for k in ctx.server["head_keys"]}
+        client.state["head"] = {k: state[k].detach().clone() for k in self.head_keys(ctx)}
 
     @hookimpl
     def client_upload(self, ctx, client):
         state = client.model.state_dict()
-        return {"body": {k: state[k] for k in ctx.server["body_keys"]}}
+        return {"body": {k: state[k] for k in self.body_keys(ctx)}}
 
     @hookimpl
     def server_aggregate(self, ctx, uploads, weights):
@@ -104,8 +116,12 @@ class FedPer(Plugin):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return {"": self.load_personal(ctx, client)}
+    def evaluation_message(self, ctx, client_id):
+        return {"body": ctx.server["body"]}
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        return {"": self.load_personal(ctx, client, message["body"])}
 
 
 __all__ = ["FedPer", "FedPerParams", "body_head_keys"]

@@ -165,14 +165,18 @@ class FedPHP(FedAvg):
         return self.params.lam * (transfer - F.cross_entropy(logits, y))
 
     @hookimpl
-    def personalized_models(self, ctx, client):
+    def evaluation_message(self, ctx, client_id):
+        return {}  # the hPM is evaluated: nothing from the server
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
         return {"": load_state(client.model, self.hpm(ctx, client))}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)
         self.train(ctx, client, ctx.spec.experiment.coldstart_epochs)
-        return self.personalized_models(ctx, client)
+        return {"": load_state(client.model, self.hpm(ctx, client))}
 
 
 __all__ = ["FedPHP", "FedPHPParams", "distillation", "inheritance", "mmd", "moving_average"]

@@ -172,18 +172,22 @@ class FedProto(Plugin):
         ctx.server["prototypes"] = {**ctx.server["prototypes"], **new}
         return True
 
-    def scored(self, ctx, model):
-        return {"": NearestPrototype(model, ctx.server["prototypes"], ctx.num_classes), "local_": model}
+    def scored(self, ctx, model, prototypes):
+        return {"": NearestPrototype(model, prototypes, ctx.num_classes), "local_": model}
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return self.scored(ctx, self.load_personal(ctx, client))
+    def evaluation_message(self, ctx, client_id):
+        return {"prototypes": ctx.server["prototypes"]}  # the global prototypes, for the nearest one
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))  # initial weights + global prototypes
+    def personalized_models(self, ctx, client, message):
+        return self.scored(ctx, self.load_personal(ctx, client), message["prototypes"])
+
+    @hookimpl
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)  # initial weights + global prototypes
         self.train(client, ctx.spec.experiment.coldstart_epochs)
-        return self.scored(ctx, client.model)
+        return self.scored(ctx, client.model, message["prototypes"])
 
 
 __all__ = ["FedProto", "FedProtoParams", "aggregate_prototypes", "local_prototypes"]

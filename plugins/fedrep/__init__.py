@@ -68,7 +68,7 @@ class FedRep(FedPer):
     def train_parts(self, ctx, client, phases):
         """For each ("head" | "body", epochs): SGD on that part, the other part frozen."""
         model = client.model
-        head_keys = set(ctx.server["head_keys"])
+        head_keys = set(self.head_keys(ctx))
         parts = {"head": [p for k, p in model.named_parameters() if k in head_keys],
                  "body": [p for k, p in model.named_parameters() if k not in head_keys]}
         metrics = {}
@@ -93,8 +93,8 @@ class FedRep(FedPer):
         return metrics
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))  # final phi + the seeded initial head
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)  # final phi + the seeded initial head
         self.train_parts(ctx, client, [("head", ctx.spec.experiment.coldstart_epochs)])
         return {"": client.model}
 

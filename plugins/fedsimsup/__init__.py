@@ -255,7 +255,6 @@ class FedSimSup(Plugin):
                                     for a, i in enumerate(clients)}
         ctx.server["sizes"] = m
         ctx.server["proportions"] = {i: proportions[a] for a, i in enumerate(clients)}
-        ctx.server["proportions_sent"] = set()
         for a in {supervisor_arch(ctx, i) for i in clients}:
             build_supervisor(ctx, a, self.spec_path)  # fails early if it cannot take this data
 
@@ -269,7 +268,12 @@ class FedSimSup(Plugin):
     def on_broadcast(self, ctx, client_id):
         if client_id in ctx.server["theta"]:
             return {"theta": ctx.server["theta"][client_id]}  # Alg. 1 line 7
-        return {"theta": newcomer_theta(ctx, client_id)}  # a cold-start client: its similarity mix
+        # A cold-start client first sends p_n (once, counted up like a training client's first
+        # upload; the server reads it from the data as setup does p_j), then gets its similarity mix.
+        p_new = torch.as_tensor(own_proportions(ctx, ctx.data.clients[client_id]), dtype=torch.float32)
+        ctx.comm_up += nbytes({"label_proportions": p_new})
+        ctx.server.setdefault("newcomer_proportions", {})[client_id] = p_new.double().numpy()
+        return {"theta": newcomer_theta(ctx, client_id)}
 
     @hookimpl
     def on_receive(self, ctx, client, message):
@@ -286,9 +290,9 @@ class FedSimSup(Plugin):
     @hookimpl
     def client_upload(self, ctx, client):
         upload = {"theta": client.model.state_dict()}
-        if client.id not in ctx.server["proportions_sent"]:  # sent once (counted in the first upload)
-            upload["label_proportions"] = torch.as_tensor(ctx.server["proportions"][client.id],
-                                                          dtype=torch.float32)
+        if not client.state.get("proportions_sent"):  # p_j once, in the client's first upload
+            upload["label_proportions"] = torch.as_tensor(own_proportions(ctx, client.data), dtype=torch.float32)
+            client.state["proportions_sent"] = True
         return upload
 
     @hookimpl
@@ -297,9 +301,7 @@ class FedSimSup(Plugin):
         participants = []
         for j, message in uploads:
             thetas[j] = clone_state(message["theta"])  # Eq. 6: kept as uploaded
-            if "label_proportions" in message:
-                ctx.server["proportions_sent"].add(j)
-            participants.append(j)
+            participants.append(j)  # its p_j (first upload only) equals setup's, computed from the data
         p = self.params
         beta = beta_schedule(ctx.round, ctx.spec.experiment.rounds, p.C, p.gamma)
         alphas = mix_non_participants(thetas, participants, ctx.server["similarity"], ctx.server["sizes"],
@@ -310,21 +312,27 @@ class FedSimSup(Plugin):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        load_state(client.model, ctx.server["theta"][client.id])
+    def evaluation_message(self, ctx, client_id):
+        return {"theta": ctx.server["theta"][client_id]}  # theta_i as the server holds it (Eq. 6-7)
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        load_state(client.model, message["theta"])
         return {"": Summed(client.model, self._supervisor(ctx, client))}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        """A newcomer: send p_n, receive its similarity mix, train (module docstring)."""
-        upload = {"label_proportions": torch.as_tensor(
-            label_proportions(client.data.label_counts("train", ctx.num_classes)), dtype=torch.float32)}
-        ctx.comm_up += nbytes(upload)  # sent once, like a training client's first upload
-        ctx.server.setdefault("newcomer_proportions", {})[client.id] = upload["label_proportions"].double().numpy()
-        self.on_receive(ctx, client, ctx.broadcast(client.id))  # no stored supervisor: the seeded initial one
+    def coldstart_personalize(self, ctx, client, message):
+        """A newcomer: its similarity mix (``message``, after it sent p_n: ``on_broadcast``), then
+        training (module docstring)."""
+        self.on_receive(ctx, client, message)  # no stored supervisor: the seeded initial one
         p = self.params
         local_update(client, coldstart_schedule(p.tau_s, p.tau_theta, ctx.spec.experiment.coldstart_epochs))
         return {"": Summed(client.model, client.scratch["supervisor"])}
+
+
+def own_proportions(ctx, data) -> np.ndarray:
+    """p_i from one client's own train split (what it uploads once)."""
+    return label_proportions(data.label_counts("train", ctx.num_classes))
 
 
 def local_update(client, phases) -> dict:

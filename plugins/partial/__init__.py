@@ -40,6 +40,7 @@ from pfl_core.context import clone_state, load_state
 from pfl_core.spec import at_least
 from pfl_core.models.layers import layer_keys, parameterised_layers
 from plugins.fedavg import FedAvg
+from plugins.per_run import per_run
 
 # Input shapes tried when counting a model's layers before any data is loaded (check_spec).
 # The number of parameterised layers of pfl's zoo does not depend on the input shape.
@@ -144,19 +145,23 @@ class PartialModel(FedAvg):
         return SpecError(f"{self.spec_path}.params.head_layers", str(exc))
 
     def split_keys(self, ctx, arch: str) -> tuple[list[str], list[str]]:
-        """(shared keys, personal keys) of ``arch``'s state dict, in state-dict order."""
-        cache = ctx.server.setdefault("partial_keys", {})
-        if arch not in cache:
-            layers = layer_keys(ctx.models.working(arch))
-            try:
-                k = resolve_split(len(layers), self.params.head_layers)
-            except ValueError as exc:
-                raise self._split_error(exc) from None
-            ctx.resolved_value(f"head_layers.{arch}", len(layers) - k)  # e.g. none resolved to L - L // 2
-            base = [key for layer in layers[:k] for key in layer]
-            head = [key for layer in layers[k:] for key in layer]
-            cache[arch] = {"base": (base, head), "head": (head, base)}[self.shared_part]  # a typo fails loudly
-        return cache[arch]
+        """(shared keys, personal keys) of ``arch``'s state dict, in state-dict order: a function of
+        the model and ``head_layers``, computed by whichever side needs it, once per run."""
+        return per_run(ctx, self, f"split:{arch}", lambda: self._split(ctx, arch))
+
+    def _split(self, ctx, arch: str) -> tuple[list[str], list[str]]:
+        layers = layer_keys(ctx.models.working(arch))
+        k = self.base_layers(len(layers))
+        base = [key for layer in layers[:k] for key in layer]
+        head = [key for layer in layers[k:] for key in layer]
+        return {"base": (base, head), "head": (head, base)}[self.shared_part]  # a typo fails loudly
+
+    def base_layers(self, num_layers: int) -> int:
+        """k: how many of the model's ``num_layers`` layers form the base."""
+        try:
+            return resolve_split(num_layers, self.params.head_layers)
+        except ValueError as exc:
+            raise self._split_error(exc) from None
 
     def shared_keys(self, ctx, arch: str) -> list[str]:
         return self.split_keys(ctx, arch)[0]
@@ -195,11 +200,20 @@ class PartialModel(FedAvg):
         super().setup(ctx)
         for arch in dict.fromkeys(ctx.models.client_archs):
             self.split_keys(ctx, arch)  # a split outside the real model's layers fails here
+            self.log_resolved_split(ctx, arch)
+
+    def log_resolved_split(self, ctx, arch: str) -> None:
+        num_layers = len(layer_keys(ctx.models.working(arch)))  # e.g. none resolved to L - L // 2
+        ctx.resolved_value(f"head_layers.{arch}", num_layers - self.base_layers(num_layers))
+
+    def shared_global(self, ctx, client_id: int) -> dict:
+        """The global model's shared keys for ``client_id``'s architecture."""
+        glob = ctx.server["global"]
+        return {"weights": {k: glob[k] for k in self.shared_keys(ctx, ctx.models.arch_of(client_id))}}
 
     @hookimpl
     def on_broadcast(self, ctx, client_id):
-        glob = ctx.server["global"]
-        return {"weights": {k: glob[k] for k in self.shared_keys(ctx, ctx.models.arch_of(client_id))}}
+        return self.shared_global(ctx, client_id)
 
     @hookimpl
     def on_receive(self, ctx, client, message):
@@ -225,10 +239,13 @@ class PartialModel(FedAvg):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
+    def evaluation_message(self, ctx, client_id):
+        return self.shared_global(ctx, client_id)
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
         self.load_personal(ctx, client)
-        glob = ctx.server["global"]
-        return {"": load_state(client.model, {k: glob[k] for k in self.shared_keys(ctx, client.arch)})}
+        return {"": load_state(client.model, message["weights"])}
 
 
 def clone_keys(model: torch.nn.Module, keys) -> dict[str, torch.Tensor]:

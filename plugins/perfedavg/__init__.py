@@ -174,10 +174,10 @@ class PerFedAvg(FedAvg):
             break
         return mean_training_loss(losses)
 
-    def adapt(self, ctx, client):
-        """The personalised model: ``eval_steps`` steps of (2) from the meta-model in the working
-        model, on the client's training mini-batches (seeded order per evaluation round)."""
-        model = load_state(client.model, ctx.server["global"])
+    def adapt(self, ctx, client, meta: dict):
+        """The personalised model: ``eval_steps`` steps of (2) from the meta-model ``meta`` in the
+        working model, on the client's training mini-batches (seeded order per evaluation round)."""
+        model = load_state(client.model, meta)
         if self.params.eval_steps:
             batches = self.batches(client, client.generator("adapt"))
             model.train()
@@ -192,12 +192,12 @@ class PerFedAvg(FedAvg):
         return self.local_update(ctx, client)
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return {"": self.adapt(ctx, client)}
+    def personalized_models(self, ctx, client, message):
+        return {"": self.adapt(ctx, client, message["weights"])}  # the global meta-model
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        return {"": self.adapt(ctx, client)}
+    def coldstart_personalize(self, ctx, client, message):
+        return {"": self.adapt(ctx, client, message["weights"])}  # its broadcast: the meta-model
 
 
 __all__ = ["PerFedAvg", "PerFedAvgParams", "adaptation_step", "meta_step"]

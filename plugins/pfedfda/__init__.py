@@ -260,7 +260,7 @@ class PFedFDA(ClassifierSplit):
     @hookimpl
     def local_train(self, ctx, client):
         model = client.model
-        with only_training(model, set(ctx.server["body_keys"])) as params:  # FedPer's setup
+        with only_training(model, set(self.body_keys(ctx))) as params:  # FedPer's split
             metrics = client.train(optimizer=client.optimizer(params))
         means, cov, betas = self.adapt(ctx, client, client.scratch["global"])
         client.scratch["estimates"] = (means, cov)
@@ -287,15 +287,19 @@ class PFedFDA(ClassifierSplit):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        model = load_state(client.model, ctx.server["body"])
-        means, cov, _ = self.adapt(ctx, client, (ctx.server["means"], ctx.server["cov"]))
+    def evaluation_message(self, ctx, client_id):
+        return self.on_broadcast(ctx, client_id)  # theta and the global estimates
+
+    @hookimpl
+    def personalized_models(self, ctx, client, message):
+        model = load_state(client.model, message["body"])
+        means, cov, _ = self.adapt(ctx, client, (message["means"], message["cov"]))
         self.set_head(ctx, client, means, cov)
         return {"": model}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        return self.personalized_models(ctx, client)
+    def coldstart_personalize(self, ctx, client, message):
+        return self.personalized_models(ctx, client, message)  # the broadcast: theta and the estimates
 
 
 __all__ = ["PFedFDA", "PFedFDAParams", "class_priors", "cv_loss", "cv_parts", "interpolate", "lda_head",

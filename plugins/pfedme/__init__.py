@@ -181,12 +181,13 @@ class PFedMe(FedAvg):
         return True
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        return {"": load_state(client.model, client.state.get("personal") or ctx.server["global"])}
+    def personalized_models(self, ctx, client, message):
+        # theta_i; a client that never trained has none and is evaluated on the global w
+        return {"": load_state(client.model, client.state.get("personal") or message["weights"])}
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        self.on_receive(ctx, client, ctx.broadcast(client.id))
+    def coldstart_personalize(self, ctx, client, message):
+        self.on_receive(ctx, client, message)
         self.local_update(ctx, client, ctx.spec.experiment.coldstart_epochs)
         return {"": load_state(client.model, client.state["personal"])}
 

@@ -97,6 +97,7 @@ from pfl_core.evaluation import score
 from pfl_core.models.layers import layer_keys
 from pfl_core.spec import FieldError, at_least, between, choices_text, described, finite, greater_than
 from plugins.partial import PartialModel, partial_average, probe_num_layers, spec_archs
+from plugins.per_run import per_run
 
 # -- the schedule -------------------------------------------------------------------------
 
@@ -227,34 +228,48 @@ class PMixFed(PartialModel):
                 raise SpecError("model.name", f"pmixfed mixes layers from base to head: {arch} has {n} layer(s), "
                                               f"it needs at least 2")
 
-    @hookimpl
-    def setup(self, ctx):
+    def layout(self, ctx) -> tuple[dict, dict, dict]:
+        """(layers, keymap, position): each architecture's layers (lists of state-dict keys), its
+        keys' names in the global model, and each global key's (layer index, L) in the
+        architecture that owns it. A function of the models, computed by whichever side needs it
+        (server and clients), once per run."""
+        return per_run(ctx, self, "layout", lambda: self._layout(ctx))
+
+    def _layout(self, ctx) -> tuple[dict, dict, dict]:
         archs = list(dict.fromkeys(ctx.models.client_archs))
         layers = {arch: layer_keys(ctx.models.working(arch)) for arch in archs}
         for arch in archs:
             if len(layers[arch]) < 2:
                 raise SpecError("model.name", f"pmixfed mixes layers from base to head: {arch} has "
                                               f"{len(layers[arch])} layer(s), it needs at least 2")
-        glob, keymap, position = {}, {}, {}
+        shapes, keymap, position = {}, {}, {}
         for arch in sorted(archs, key=lambda a: -len(layers[a])):  # the deepest names the entries
             init = ctx.models.initial_state(arch)
             keymap[arch] = {}
             for index, keys in enumerate(layers[arch]):
                 for key in keys:
-                    gk = key if key not in glob or glob[key].shape == init[key].shape else f"{key}@{arch}"
-                    if gk not in glob:
-                        glob[gk] = init[key].detach().clone()
+                    gk = key if key not in shapes or shapes[key] == init[key].shape else f"{key}@{arch}"
+                    if gk not in shapes:
+                        shapes[gk] = init[key].shape
                         position[gk] = (index, len(layers[arch]))
                     keymap[arch][key] = gk
+        return layers, keymap, position
+
+    @hookimpl
+    def setup(self, ctx):
+        _, keymap, _ = self.layout(ctx)
+        glob = {}
+        for arch, names in keymap.items():  # the deepest architecture first: it names the entries
+            init = ctx.models.initial_state(arch)
+            for key, gk in names.items():
+                if gk not in glob:
+                    glob[gk] = init[key].detach().clone()
         ctx.server["global"] = glob
-        ctx.server["keymap"] = keymap
-        ctx.server["layers"] = layers
-        ctx.server["position"] = position  # global key -> (layer index, L) in its owning arch
         ctx.server["mix"] = {}
 
     def global_for(self, ctx, arch: str) -> dict[str, torch.Tensor]:
         glob = ctx.server["global"]
-        return {key: glob[gk] for key, gk in ctx.server["keymap"][arch].items()}
+        return {key: glob[gk] for key, gk in self.layout(ctx)[1][arch].items()}
 
     def local_state(self, ctx, client) -> dict[str, torch.Tensor]:
         return client.state.get("local") or ctx.models.initial_state(client.arch)
@@ -264,7 +279,10 @@ class PMixFed(PartialModel):
     @hookimpl
     def on_broadcast(self, ctx, client_id):
         client = ctx.client(client_id)
-        layers = ctx.server["layers"][client.arch]
+        if client_id in ctx.coldstart_clients:  # a newcomer: the whole global model, nothing mixed
+            return {"weights": self.global_for(ctx, client.arch)}
+        layers_of, keymap_of, _ = self.layout(ctx)
+        layers = layers_of[client.arch]
         dacc, acc_global = 0.0, None
         if self.schedule.uses_accuracy:
             acc_local = val_accuracy(ctx, client, load_state(client.model, self.local_state(ctx, client)))
@@ -275,14 +293,25 @@ class PMixFed(PartialModel):
                                   progress=ctx.round / ctx.spec.experiment.rounds, rng=client.rng("pmixfed_mix"))
         ctx.server["mix"][client_id] = {"mu": list(mu), "gamma": gamma, "acc_global": acc_global}
         client.log(frozen_layers=frozen_count(mu), **({"gamma": gamma} if gamma is not None else {}))
-        keymap, glob = ctx.server["keymap"][client.arch], ctx.server["global"]
-        return {"weights": {keymap[k]: glob[keymap[k]] for m, keys in zip(mu, layers) if m > 0 for k in keys}}
+        keymap, glob = keymap_of[client.arch], ctx.server["global"]
+        message = {"weights": {keymap[k]: glob[keymap[k]] for m, keys in zip(mu, layers) if m > 0 for k in keys}}
+        sent_degrees = [float(m) for m in mu if m > 0]
+        if any(m < 1 for m in sent_degrees):  # the client mixes: it needs the degrees of what it gets
+            message["mu"] = sent_degrees
+        return message
+
+    @staticmethod
+    def received_degrees(message, layers, keymap) -> list[float]:
+        """mu per layer from a broadcast: 0 for a layer not sent (frozen), else its degree in
+        ``message["mu"]`` (sent when some degree is fractional; otherwise every sent one is 1)."""
+        sent, given = message["weights"], iter(message.get("mu", ()))
+        return [next(given, 1.0) if keymap[keys[0]] in sent else 0.0 for keys in layers]
 
     @hookimpl
     def on_receive(self, ctx, client, message):
-        mu = ctx.server["mix"][client.id]["mu"]
-        layers = ctx.server["layers"][client.arch]
-        keymap = ctx.server["keymap"][client.arch]
+        layers_of, keymap_of, _ = self.layout(ctx)
+        layers, keymap = layers_of[client.arch], keymap_of[client.arch]
+        mu = client.scratch["mu"] = self.received_degrees(message, layers, keymap)
         load_state(client.model, self.local_state(ctx, client))
         sent = message["weights"]
         with torch.no_grad():
@@ -310,17 +339,16 @@ class PMixFed(PartialModel):
 
     @hookimpl
     def client_upload(self, ctx, client):
-        mix = ctx.server["mix"][client.id]
-        layers = ctx.server["layers"][client.arch]
-        keymap = ctx.server["keymap"][client.arch]
+        mu = client.scratch["mu"]
+        layers_of, keymap_of, _ = self.layout(ctx)
+        layers, keymap = layers_of[client.arch], keymap_of[client.arch]
         state = client.model.state_dict()
-        sent = [keys for m, keys in zip(mix["mu"], layers) if m > 0]
-        if mix["mu"][-1] == 0:
+        sent = [keys for m, keys in zip(mu, layers) if m > 0]
+        if mu[-1] == 0:
             sent.append(layers[-1])  # the head: never sent down, always uploaded
         upload = {"weights": {keymap[k]: state[k] for keys in sent for k in keys}}
         if self.schedule.uses_accuracy and client.scratch["acc_local"] is not None:
-            upload["val_acc_local"] = client.scratch["acc_local"]
-            upload["val_acc_global"] = mix["acc_global"]
+            upload["val_acc_local"] = client.scratch["acc_local"]  # the global's the server measured itself
         return upload
 
     # -- aggregation --------------------------------------------------------------------
@@ -333,12 +361,12 @@ class PMixFed(PartialModel):
             for i, message in uploads:
                 if "val_acc_local" in message:
                     acc_local.append(message["val_acc_local"])
-                    acc_global.append(message["val_acc_global"])
+                    acc_global.append(ctx.server["mix"][i]["acc_global"])  # measured at its broadcast
                 yield weights[i], message["weights"]
 
         averaged, _ = partial_average(pairs())
         dacc = float(np.mean(acc_global) - np.mean(acc_local)) if acc_local else 0.0
-        glob, position = ctx.server["global"], ctx.server["position"]
+        glob, position = ctx.server["global"], self.layout(ctx)[2]
         nu_for, gamma_agg = {}, None
         for gk, avg in averaged.items():
             index, num_layers = position[gk]
@@ -364,12 +392,16 @@ class PMixFed(PartialModel):
     # -- evaluation and newcomers --------------------------------------------------------
 
     @hookimpl
-    def personalized_models(self, ctx, client):
-        local = client.state.get("local")
-        return {"": load_state(client.model, local if local is not None else self.global_for(ctx, client.arch))}
+    def evaluation_message(self, ctx, client_id):
+        return {"weights": self.global_for(ctx, ctx.models.arch_of(client_id))}  # for a client never trained
 
     @hookimpl
-    def coldstart_personalize(self, ctx, client):
-        load_state(client.model, self.global_for(ctx, client.arch))
+    def personalized_models(self, ctx, client, message):
+        local = client.state.get("local")
+        return {"": load_state(client.model, local if local is not None else message["weights"])}
+
+    @hookimpl
+    def coldstart_personalize(self, ctx, client, message):
+        load_state(client.model, message["weights"])  # the whole global model (on_broadcast to a newcomer)
         client.train(epochs=ctx.spec.experiment.coldstart_epochs)
         return {"": client.model}
