@@ -162,14 +162,15 @@ def _fsync_dir(folder: Path) -> None:
 def run_folder(spec, run_id: str | None, run_name: str, tracking_uri: str | None) -> Path | None:
     """The folder of one run's checkpoints: ``<checkpoint.dir>/<run id>``; ``checkpoint.dir``
     empty: ``checkpoints/`` beside a SQLite store, or in the working directory for a tracking
-    server. Without tracking a run has no id: ``<run name>-<time>-<random>`` under
-    ``checkpoint.dir``, and no checkpoint at all when that is empty (nothing to resume into)."""
+    server. Without MLflow tracking a run has no id: ``<run name>-<time>-<random>`` under
+    ``checkpoint.dir``, and no checkpoint at all when that is empty (no store to sit beside,
+    and a library call or a test must not litter the working directory)."""
     section = spec.checkpoint
     if not section.enabled:
         return None
     if section.dir:
         base = Path(section.dir).expanduser()
-    elif run_id is None:
+    elif run_id is None or tracking_uri is None:  # no MLflow store to sit beside
         return None
     else:
         from .tracking import sqlite_file
@@ -209,6 +210,15 @@ def checkpointer_for(engine, resume: "Loaded | None" = None) -> "Checkpointer":
     else:
         folder = run_folder(engine.spec, engine.tracker.run_id, engine.run_name, uri)
     return Checkpointer(engine, folder, uri, resume.round if resume is not None else 0)
+
+
+def round_in_progress(engine) -> int:
+    """The round an interrupt stopped in: the one after the last round whose metrics were logged
+    (an interrupt between rounds stops the next one before it changed anything)."""
+    checkpointer = getattr(engine, "checkpointer", None)
+    if checkpointer is None:
+        return engine.ctx.round
+    return min(checkpointer.completed + 1, checkpointer.rounds)
 
 
 def resume_command(engine) -> str | None:

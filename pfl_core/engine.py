@@ -258,7 +258,7 @@ class Engine:
         except BaseException as exc:
             status = run_status(exc)  # Ctrl-C / SIGTERM: KILLED, not FAILED
             if isinstance(exc, Interrupted) and exc.round is None:  # where it stopped, for the one line
-                exc.round, exc.rounds, exc.run_name = ctx.round, spec.experiment.rounds, self.run_name
+                exc.round, exc.rounds, exc.run_name = checkpoint.round_in_progress(self), spec.experiment.rounds, self.run_name
                 exc.run_id = self.tracker.run_id
                 mlflow = getattr(self.tracker, "mlflow", None)
                 exc.tracking_uri = mlflow.get_tracking_uri() if mlflow is not None else None

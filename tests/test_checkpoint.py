@@ -3,22 +3,23 @@ training) and during evaluation, then resumed with ``pfl-run --resume``, logs ex
 (every key, every step, once) and ends in exactly the state (server and every client) of the
 same run left alone; a changed spec or damaged checkpoint is handled in one line.
 
-The kill is real: the run is a subprocess (tests/killpoints.py patches that process only) that
-sends itself SIGKILL at the chosen point. Resumes and the uninterrupted reference runs run in
-this process, through the command line's own entry point.
+The kill is real: the run is a forked copy of this process (torch and MLflow already imported,
+so no start-up cost) in which tests/killpoints.py patches the chosen point to send itself
+SIGKILL; the parent checks it died of SIGKILL. Resumes and the uninterrupted reference runs run
+in this process, through the command line's own entry point. Every store is a copy of one
+empty store made once (creating an MLflow store costs a second of migrations).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shlex
+import shutil
 import signal
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +29,6 @@ from pfl_core.cli import run_main
 from test_cli import write_spec
 from tiny import tiny_raw
 
-HERE = Path(__file__).resolve().parent
 WALL_CLOCK = ("round_seconds", "eval_seconds")  # differ between any two runs
 
 PUBLIC = {"public.size": 60}
@@ -44,19 +44,42 @@ METHODS = {  # one method of each kind the issue names
 }
 
 
-def spec_for(tmp_path: Path, store: str, rounds: int, every: int, **overrides) -> str:
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    import mlflow
+
+    db = tmp_path_factory.mktemp("template") / "empty.db"
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # creates the tables
+    return db
+
+
+def spec_for(tmp_path: Path, store: str, rounds: int, every: int, template: Path | None = None,
+             **overrides) -> str:
+    if template is not None:
+        shutil.copyfile(template, tmp_path / store)
     raw = tiny_raw(**{"experiment.rounds": rounds, "tracking.enabled": True, "tracking.progress": False,
                       "tracking.uri": f"sqlite:///{tmp_path / store}", "executor.name": "sequential",
                       "checkpoint.every": every, **overrides})
     return write_spec(tmp_path, raw, f"{store}.toml")
 
 
-def killed(points: list[str], *args: str) -> subprocess.CompletedProcess:
-    """pfl-run with faults injected, in a subprocess; it must die of SIGKILL."""
-    proc = subprocess.run([sys.executable, str(HERE / "killpoints.py"), *points, "--", *args], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
-    return proc
+def killed(points: list[str], *args: str) -> None:
+    """``pfl-run ARGS`` with faults injected, in a forked copy of this process; it must die of
+    SIGKILL (a point that is never reached fails the test)."""
+    import killpoints
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        code = 99
+        try:
+            for point in points:
+                killpoints.arm(point)
+            code = run_main(list(args))
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+        f"{points}: the run was not killed (exit status {os.waitstatus_to_exitcode(status)})")
 
 
 def only_run(db: Path) -> str:
@@ -105,6 +128,8 @@ def assert_identical(a, b, where: str = "") -> None:
         assert len(a) == len(b), f"{where}: lengths differ"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), f"{where}: arrays differ"
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b), where
     else:
@@ -121,7 +146,7 @@ CASES = [
     # every kind of kill on one run: at round 3's start (round 2 checkpointed), mid-training in
     # round 4 (round 3 was logged, not checkpointed: its metrics must not be logged twice), at
     # round 5's evaluation (round 4 checkpointed)
-    ("fedavg", [["round:3"], ["train:4:5"], ["eval:5"]], 6, 2),
+    ("fedavg", [["round:3"], ["train:4:5"], ["eval:5"]], 5, 2),
     ("ditto", [["train:3:7"]], 4, 1),
     ("fedmosaic", [["eval:3"]], 4, 1),
     ("cosmos", [["round:3"]], 3, 0),  # automatic period
@@ -129,14 +154,15 @@ CASES = [
 ]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 @pytest.mark.parametrize("method,kills,rounds,every", CASES, ids=[c[0] for c in CASES])
-def test_a_killed_run_resumes_bit_identical(tmp_path, method, kills, rounds, every):
+def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store, method, kills, rounds, every):
     overrides = METHODS[method]
     reference = tmp_path / "reference.db"
-    assert run_main([spec_for(tmp_path, "reference.db", rounds, every, **overrides), "--quiet"]) == 0
+    assert run_main([spec_for(tmp_path, "reference.db", rounds, every, empty_store, **overrides), "--quiet"]) == 0
 
     db = tmp_path / "killed.db"
-    spec = spec_for(tmp_path, "killed.db", rounds, every, **overrides)
+    spec = spec_for(tmp_path, "killed.db", rounds, every, empty_store, **overrides)
     killed(kills[0], spec)
     run_id = only_run(db)
     for points in kills[1:]:  # a resumed run killed again
@@ -151,3 +177,88 @@ def test_a_killed_run_resumes_bit_identical(tmp_path, method, kills, rounds, eve
     ref_server, ref_clients = final_state(reference, rounds)
     assert_identical(server, ref_server, "server")
     assert_identical(clients, ref_clients, "clients")
+
+
+# -- a failure at the end: --resume re-runs only the end ------------------------------------------
+
+
+def test_a_failed_coldstart_is_rerun_alone_from_the_last_checkpoint(tmp_path, empty_store, monkeypatch, capsys):
+    from pfl_core.engine import Engine
+
+    db = tmp_path / "store.db"
+    spec = spec_for(tmp_path, "store.db", 2, 0, empty_store, **{"experiment.coldstart_clients": 1})
+    evaluate_coldstart = Engine._evaluate_coldstart
+
+    def failing(self, ctx):
+        raise RuntimeError("injected cold-start failure")
+
+    monkeypatch.setattr(Engine, "_evaluate_coldstart", failing)
+    assert run_main([spec, "--quiet"]) == 1  # reported; the trained run is kept
+    assert "cold-start evaluation failed" in capsys.readouterr().err
+    before = metrics(db)
+    assert before and not any(k.startswith("coldstart_") for k, _, _ in before)
+
+    def no_round(self, ctx, round, *args, **kwargs):
+        raise AssertionError(f"round {round} ran again")
+
+    monkeypatch.setattr(Engine, "_evaluate_coldstart", evaluate_coldstart)
+    monkeypatch.setattr(Engine, "run_round", no_round)
+    resume(only_run(db), "--tracking-uri", f"sqlite:///{db}")
+    after = metrics(db)
+    added = sorted(set(after) - set(before))
+    assert added and all(k.startswith("coldstart_") and s == 2 for k, s, _ in added), added
+    assert len(after) == len(before) + len(added)  # nothing else logged again
+
+
+# -- refusals and damage: one line ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, empty_store):
+    """A 2-round FedAvg run with a checkpoint after each round (both kept)."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    spec = spec_for(tmp_path, "store.db", 2, 1, empty_store)
+    assert run_main([spec, "--quiet"]) == 0
+    return tmp_path, spec, only_run(tmp_path / "store.db")
+
+
+def test_a_different_spec_or_code_is_refused_naming_what_differs(finished_run, capsys, monkeypatch):
+    tmp_path, spec, run_id = finished_run
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    assert run_main(["--resume", run_id, "--tracking-uri", uri, spec, "--set", "training.lr=0.2",
+                     "--set", "experiment.seed=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "spec differs" in err and "training.lr" in err and "experiment.seed" in err, err
+    # where and how often to checkpoint may change
+    monkeypatch.setattr("pfl_core.engine.Engine.run_round", lambda *a, **k: pytest.fail("a round ran again"))
+    assert run_main(["--resume", run_id, "--tracking-uri", uri, spec, "--set", "checkpoint.keep=3", "--quiet"]) == 0
+    capsys.readouterr()
+
+    monkeypatch.setattr("pfl_core.checkpoint.code_version",
+                        lambda names: {"pfl": "0.1.0", "source_sha256": "0" * 64, "git_commit": ""})
+    assert run_main(["--resume", run_id, "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "written by other code" in err, err
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, capsys, monkeypatch):
+    tmp_path, spec, run_id = finished_run
+    folder = tmp_path / "checkpoints" / run_id
+    copy = tmp_path / "damaged"
+    import shutil
+
+    shutil.copytree(folder, copy)
+    latest = checkpoints(copy)[0]
+    victim = next(p for p in sorted(latest.rglob("*")) if p.is_file() and p.name != RUN_FILE)
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated by one byte
+    ran = []
+    monkeypatch.setattr("pfl_core.engine.Engine.run_round", lambda self, ctx, round, *a, **k: ran.append(round))
+    assert run_main(["--resume", str(copy), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "damaged" in err and "round-000001" in err, err
+    assert ran == [2]  # round 2 again, from round 1's checkpoint
+    for checkpoint in checkpoints(copy):  # every one damaged: nothing to resume from, said in one line
+        (checkpoint / RUN_FILE).write_bytes(b"not a checkpoint")
+    assert run_main(["--resume", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no usable checkpoint" in err, err

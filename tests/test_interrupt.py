@@ -2,6 +2,7 @@
 where the run stopped and where its results are, and exit 130 / 143."""
 
 import os
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -125,3 +126,47 @@ def test_a_half_built_store_says_what_to_do(tmp_path):
     code, line, _ = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"}))
     assert code == 2 and "half-built MLflow store" in line and f"delete {db}" in line, line
     assert db.read_bytes() == before
+
+
+# -- an interrupt between rounds checkpoints the completed round and says how to resume --------
+
+
+def test_sigterm_between_rounds_checkpoints_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
+    """SIGTERM as round 3 starts, with no checkpoint due before round 100: round 2's checkpoint
+    is written on the way out, the run is KILLED, and the printed command finishes it."""
+    from pfl_core.cli import run_main
+    from pfl_core.engine import Engine
+
+    db = tmp_path / "store.db"
+    raw = tiny_raw(**{"experiment.rounds": 4, "tracking.enabled": True, "tracking.uri": f"sqlite:///{db}",
+                      "executor.name": "sequential", "checkpoint.every": 100})
+    run_round = Engine.run_round
+
+    def interrupted_at_3(self, ctx, round, *args, **kwargs):
+        if round == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, before round 3 changes anything
+        return run_round(self, ctx, round, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "run_round", interrupted_at_3)
+    assert run_main([write_spec(tmp_path, raw), "--quiet"]) == 143
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "interrupted (SIGTERM) at round 3 of 4" in err and "status KILLED" in err, err
+    (run_id, status), = statuses_by_id(db).items()
+    assert status == "KILLED"
+    command = err.split("continue it with: ")[1].strip()
+    assert command == f"pfl-run --resume {run_id} --tracking-uri sqlite:///{db}"
+    folder = tmp_path / "checkpoints" / run_id
+    assert sorted(p.name for p in folder.iterdir()) == ["round-000002"]  # nothing half-written beside it
+
+    monkeypatch.setattr(Engine, "run_round", run_round)
+    assert run_main(shlex.split(command)[1:] + ["--quiet"]) == 0
+    assert statuses_by_id(db) == {run_id: "FINISHED"}
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        steps = [s for (s,) in con.execute("select step from metrics where key = 'acc_mean' order by step")]
+    assert steps == [1, 2, 3, 4]  # each round once: 1-2 before the interrupt, 3-4 after the resume
+
+
+def statuses_by_id(db: Path) -> dict[str, str]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return dict(con.execute("select run_uuid, status from runs").fetchall())
