@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 import torch
@@ -69,42 +71,74 @@ def coldstart_models(ctx, client) -> dict[str, nn.Module]:
     return ctx.hooks.coldstart_personalize(ctx=client.ctx, client=client, message=message)
 
 
+@attrs.define
+class EvaluationTask:
+    """One client's evaluation, as the server hands it to an executor."""
+
+    client_id: int
+    message: dict | None  # the server's evaluation_message (None: ``models_for`` builds the models)
+    state: dict
+    split: str
+    batch_size: int
+
+    def __str__(self) -> str:  # how a failed item is named in errors
+        return f"the evaluation of client {self.client_id}"
+
+
+def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, dict, list, list]:
+    """The client side of one evaluation: build the model(s) and score them on the client's own
+    split. Runs wherever the executor puts it; returns (row, {prefix: Score}, logged, resolved)."""
+    client = Client(view, task.client_id, state=task.state)
+    if models_for is None:
+        models = view.hooks.personalized_models(ctx=view, client=client, message=task.message)
+    else:
+        models = models_for(client)
+    if not models:
+        raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
+    x = getattr(client.data, f"{task.split}_x")
+    y = getattr(client.data, f"{task.split}_y")
+    row = {"client": task.client_id, "arch": client.arch, "num_train": client.num_train, f"num_{task.split}": len(y)}
+    scores = {}
+    for model_prefix, model in models.items():
+        scores[model_prefix] = s = score(model, x, y, task.batch_size)
+        row[f"{model_prefix}acc"] = s.accuracy
+        row[f"{model_prefix}loss"] = s.loss
+    logged, resolved = view.take_reports()
+    return row, scores, logged, resolved
+
+
 def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,
                      prefix: str = "") -> tuple[dict[str, float], list[dict]]:
     """Evaluate each client's personalized model(s) on its own ``split``.
 
-    ``client_ids`` defaults to the training clients; ``models_for(client)`` to
-    :func:`evaluated_models` (``personalized_models`` with the client's evaluation message).
+    ``client_ids`` defaults to the training clients. By default each client's part
+    (``personalized_models`` with the server's ``evaluation_message`` for it, then scoring)
+    runs through the run's executor, in parallel where it has workers; ``models_for(client)``
+    instead builds the models in this process (cold start: it broadcasts, server side).
     Returns the summary metrics (per model prefix, each prefixed again by ``prefix``) and one
     row per client.
     """
     batch_size = ctx.spec.evaluation.batch_size
     client_ids = ctx.training_clients if client_ids is None else client_ids
-    if models_for is None:
-        models_for = lambda client: evaluated_models(ctx, client)  # noqa: E731
     view = ctx.client_view()  # the client-side part sees what a round's client hooks see
+    if models_for is None:
+        tasks = (EvaluationTask(cid, ctx.hooks.evaluation_message(ctx=ctx, client_id=cid), ctx.store[cid], split,
+                                batch_size) for cid in client_ids)
+        results = ctx.executor.map(functools.partial(evaluate_client, view), tasks)
+    else:
+        results = (evaluate_client(view, EvaluationTask(cid, None, ctx.store[cid], split, batch_size), models_for)
+                   for cid in client_ids)
     per_prefix: dict[str, tuple[list[float], list[float]]] = {}
     rows = []
-    for cid in client_ids:
-        client = Client(view, cid, state=ctx.store[cid])
-        models = models_for(client)
-        logged, resolved = view.take_reports()  # as the engine does with a round's client
-        for logged_id, values in logged:
+    for row, scores, logged, resolved in results:
+        for logged_id, values in logged:  # as the engine does with a round's client
             ctx.log_client(logged_id, **values)
         for name, value in resolved:
             ctx.resolved_value(name, value)
-        if not models:
-            raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
-        x = getattr(client.data, f"{split}_x")
-        y = getattr(client.data, f"{split}_y")
-        row = {"client": cid, "arch": client.arch, "num_train": client.num_train, f"num_{split}": len(y)}
-        for model_prefix, model in models.items():
-            s = score(model, x, y, batch_size)
+        for model_prefix, s in scores.items():
             accs, losses = per_prefix.setdefault(model_prefix, ([], []))
             accs.append(s.accuracy)
             losses.append(s.loss)
-            row[f"{model_prefix}acc"] = s.accuracy
-            row[f"{model_prefix}loss"] = s.loss
         rows.append(row)
     metrics: dict[str, float] = {}
     for model_prefix, (accs, losses) in per_prefix.items():
