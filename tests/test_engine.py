@@ -414,8 +414,9 @@ def test_coldstart_clients_are_held_out_of_training_and_selection():
     assert set(trained) == set(ctx.training_clients)
     scored = [e[1] for e in rec.log[:finish] if e[0] == "personalized_models"]
     assert sorted(set(scored)) == ctx.training_clients
-    # after on_finish: only the cold-start client is personalised (broadcast, receive, train)
-    assert rec.log[finish + 1] == ("coldstart_personalize", cold)
+    # after on_finish: only the cold-start client is personalised: the engine broadcasts to it,
+    # then coldstart_personalize gets that message (receive, train)
+    assert rec.log[finish + 1: finish + 3] == [("on_broadcast", cold), ("coldstart_personalize", cold)]
     assert [e[1] for e in rec.log[finish + 1:] if len(e) > 1] == [cold, cold, cold]
     assert [r["client"] for r in result.client_rows if r["coldstart"]] == [cold]
     assert [r["client"] for r in result.client_rows if not r["coldstart"]] == ctx.training_clients
