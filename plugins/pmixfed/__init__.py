@@ -53,8 +53,13 @@ Decisions where the resolution is silent (also in docs/reproductions.md):
 * In simulation the server-side broadcast hook measures dAcc on the client's validation data
   (a deployment would have the client measure it); that measurement is not counted as
   communication (the byte comparison with FedAlt/FedSim/FedAvg counts model layers). Each
-  upload carries the client's two validation accuracies (16 bytes, counted) for the
-  aggregation-stage dAcc; "dynamic-only" and "beta" send none.
+  upload carries the client's fresh local validation accuracy (8 bytes, counted) for the
+  aggregation-stage dAcc; the global model's accuracy, measured at the broadcast, stays on
+  the server. "dynamic-only" and "beta" send none.
+* The client mixes, so it must know mu: a broadcast whose sent layers include a fractional
+  mu carries the sent layers' degrees (8 bytes each, counted); otherwise the sent layers
+  are the ones with mu = 1 and the others have mu = 0, which the client reads off the
+  message.
 * "dynamic-only": gamma = ``gamma`` fixed, at broadcast and at aggregation.
 * "beta" (the paper's mixup ablation, mu ~ Beta(a, a)): each layer strictly between base and
   head draws its own mu_l ~ Beta(a, a) per client and round; mu_1 = 1 and mu_L = 0 are kept
