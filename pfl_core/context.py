@@ -70,6 +70,8 @@ class ModelBank:
         for i, arch in enumerate(self.client_archs):
             self._paths.setdefault(arch, f"{path}[{i}]" if path != "model.name" else path)
             self.plugin(arch, self._paths[arch])
+        for arch in model.arch_params:  # also those only a plugin builds (a server model): keys checked now
+            self.plugin(arch, f"model.arch_params.{arch}")
 
     def check_builds(self) -> None:
         """Build each client architecture once for this data's input shape (dry runs):
@@ -102,13 +104,14 @@ class ModelBank:
         plugin = self.plugin(arch, path)
         try:
             return plugin.build(self.input_shape, self.num_classes).to(self.device)
-        except (MemoryError, RuntimeError) as exc:  # e.g. hidden = [1000000000]: torch cannot allocate it
+        except (MemoryError, RuntimeError, TypeError, OverflowError) as exc:  # e.g. hidden = [1000000000]
             text = " ".join(str(exc).split())
-            if not (isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "allocate" in text
-                    or "size calculation overflowed" in text):
+            overflow = "overflow" in text.lower()  # a size beyond int64 (width = 1e30)
+            if not (isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or "allocate" in text or overflow):
                 raise
             asked = re.search(r"tried to allocate ([\d.]+ ?[A-Za-z]+)", text)
-            detail = f"torch could not allocate {asked.group(1)}" if asked else text[:160] or type(exc).__name__
+            detail = (f"torch could not allocate {asked.group(1)}" if asked else "a size beyond 64-bit integers"
+                      if overflow else text[:160] or type(exc).__name__)
             raise SpecError(getattr(plugin, "params_path", "model.params"),
                             f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
                             f"inputs {self.input_shape} ({detail})") from None
@@ -348,12 +351,7 @@ class ClientView:
     READ_ONLY = ("spec", "params", "data", "models", "hooks", "device", "round", "participants",
                  "training_clients", "coldstart_clients")
 
-    # Until every built-in plugin follows the contract, other names fall through to the run
-    # context (in this process only); True makes them errors.
-    STRICT = False
-
     def __init__(self, ctx: RunContext):
-        object.__setattr__(self, "_ctx", ctx)
         for name in self.READ_ONLY:
             object.__setattr__(self, name, getattr(ctx, name))
         object.__setattr__(self, "logged", [])  # (client_id, {name: value}) for the server
@@ -379,15 +377,13 @@ class ClientView:
         return logged, resolved
 
     def __getattr__(self, name: str):  # only reached for names not set above
-        if not self.STRICT and not name.startswith("__"):
-            return getattr(self._ctx, name)
+        if name.startswith("__"):  # protocol lookups (pickle, copy): plain absence
+            raise AttributeError(name)
         raise ClientContractError(
             f"a client-side hook used ctx.{name}, which only the server has; send what the client "
             f"needs in its message (on_broadcast / evaluation_message) and keep what it keeps in "
             f"client.state (see 'The client-side contract' in docs/architecture.md)")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if not self.STRICT:
-            return setattr(self._ctx, name, value)
         raise ClientContractError(f"a client-side hook set ctx.{name}: client hooks may change only "
                                   f"client.state and the client's working model")

@@ -3,7 +3,7 @@ client_upload, personalized_models, coldstart_personalize) see their message, th
 state and read-only run data, never the server's state, other clients' state, the tracker or
 the byte counters: an executor may run them in another process or machine.
 
-Every built-in method runs 2 rounds (with a cold-start client) with ``ClientView.STRICT`` on,
+Every built-in method runs 2 rounds (with a cold-start client); client hooks get a ``ClientView``,
 so any other attribute a client hook reads or writes on ``ctx`` raises; the hooks are also
 checked to have received a ``ClientView``, so a call site that hands them the run context
 itself is caught too."""
@@ -63,7 +63,6 @@ class SeesOnlyAView:
 
 @pytest.mark.parametrize("name", builtin_algorithms())
 def test_client_hooks_touch_nothing_of_the_server(monkeypatch, name):
-    monkeypatch.setattr(ClientView, "STRICT", True)
     spy = SeesOnlyAView()
     make = registry.make_plugin_manager
 
@@ -92,7 +91,6 @@ def test_a_client_hook_reading_the_server_state_is_refused(monkeypatch):
         ctx.server["global"]  # what the message already carries
         return True
 
-    monkeypatch.setattr(ClientView, "STRICT", True)
     monkeypatch.setattr(FedAvg, "on_receive", hookimpl(peeking_on_receive))
     with pytest.raises(ClientContractError, match=r"ctx\.server.*message"):
         Engine(resolve(tiny_raw(**{"experiment.rounds": 1, **SEQUENTIAL})), progress=False).run()
