@@ -146,7 +146,7 @@ class Engine:
         name, workers, threads = executors.plan(spec.executor, device.type, per_round,
                                                 mean_samples * max(spec.training.local_epochs, 1))
         torch.set_num_threads(threads)
-        self.executor_plan = {"executor": name, "workers": workers if name != "sequential" else 1, "threads": threads}
+        self.executor_plan = {"name": name, "workers": workers if name != "sequential" else 1, "threads": threads}
         return executors.make_executor(name, workers, threads, spec.executor.retries)
 
     # -- one round --------------------------------------------------------------------
@@ -271,6 +271,8 @@ class Engine:
     def _run(self, ctx: RunContext) -> RunResult:
         spec = self.spec
         self._log_partition(ctx)
+        for name, value in self.executor_plan.items():  # what executor.name = "auto" came to
+            ctx.resolved_value(f"executor.{name}", value)
         ctx.hooks.setup(ctx=ctx)
         progress = Progress(spec.experiment.rounds, self.progress_label, enabled=self.show_progress)
         history: list[dict] = []

@@ -52,7 +52,7 @@ def assert_identical(a, b):
 def test_process_pool_is_bit_identical_to_the_sequential_loop(name):
     sequential, seq_engine = run(name, {"name": "sequential"})
     pooled, pool_engine = run(name, {"name": "process", "workers": 2})
-    assert pool_engine.executor_plan["executor"] == "process"
+    assert pool_engine.executor_plan["name"] == "process"
     assert metrics_of(pooled) == metrics_of(sequential)
     assert pooled.client_rows == sequential.client_rows
     assert_identical(pool_engine.ctx.server, seq_engine.ctx.server)
@@ -129,3 +129,10 @@ def test_auto_picks_the_pool_only_when_it_pays(monkeypatch, cores, participants,
     assert executors.plan(ExecutorSection(), "cpu", participants, samples) == expected
     assert executors.plan(ExecutorSection(), "cuda", participants, samples)[0] == "sequential"
     assert executors.plan(ExecutorSection(name="process", workers=3, threads=2), "cpu", 1, 1) == ("process", 3, 2)
+
+
+def test_the_executor_actually_used_is_logged_as_resolved_params():
+    _, engine = run("fedavg", {"name": "process", "workers": 2}, rounds=1)
+    assert engine.ctx.resolved_values["executor.name"] == "process"
+    assert engine.ctx.resolved_values["executor.workers"] == 2
+    assert engine.ctx.resolved_values["executor.threads"] == 1
