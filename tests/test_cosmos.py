@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import plugins.codistill as codistill
 import plugins.cosmos as cosmos
+from pfl_core import hookimpl
 from pfl_core.cli import run_main
 from pfl_core.context import Client, clone_state, load_state
 from pfl_core.engine import resolve
@@ -207,9 +208,15 @@ def test_round_order_pretrain_once_then_distil_finetune_send(monkeypatch, name, 
 
     plugin_class = cosmos.Cosmos if name == "cosmos" else codistill.PublicPredictionMethod
     real_distill = plugin_class.client_distill
+    held = {}  # (round, client) -> the server's targets for the client when it broadcast
+    real_broadcast = codistill.PublicPredictionMethod.on_broadcast
 
-    def client_distill(self, ctx, client, model, targets):
-        assert torch.equal(targets, ctx.server["targets"][client.id])  # its own, from last round
+    def on_broadcast(self, ctx, client_id):  # server side: may look at the server's state
+        held[ctx.round, client_id] = ctx.server.get("targets", {}).get(client_id)
+        return real_broadcast(self, ctx, client_id)
+
+    def client_distill(self, ctx, client, model, targets):  # client side: sees only its message
+        assert torch.equal(targets, held[client.round, client.id])  # its own, from last round
         events.append(("distill", client.round, client.id, None))
         return real_distill(self, ctx, client, model, targets)
 
@@ -222,6 +229,7 @@ def test_round_order_pretrain_once_then_distil_finetune_send(monkeypatch, name, 
 
     monkeypatch.setattr(Client, "train", train)
     monkeypatch.setattr(plugin_class, "client_distill", client_distill)
+    monkeypatch.setattr(codistill.PublicPredictionMethod, "on_broadcast", hookimpl(on_broadcast))
     monkeypatch.setattr(codistill.PublicPredictionMethod, "collect_predictions", staticmethod(collect))
     _, engine = run_tiny(**{**SMALL, "algorithm.name": name, "experiment.rounds": 3,
                             "algorithm.params": {**params, "pretrain_epochs": 3, "finetune_epochs": 2}})
