@@ -615,13 +615,13 @@ def test_pick_device():
         assert str(info.value) == "executor.device: 'cuda' was asked for but no CUDA device is available"
 
 
-def test_prepare_applies_executor_threads_only_when_set():
+def test_prepare_sets_the_executor_threads_and_one_by_default():
     before = torch.get_num_threads()
     try:
-        Engine(resolve(tiny_raw(**{"executor.threads": before + 1})), progress=False).prepare()
-        assert torch.get_num_threads() == before + 1
+        Engine(resolve(tiny_raw(**{"executor.threads": 3})), progress=False).prepare()
+        assert torch.get_num_threads() == 3
         Engine(resolve(tiny_raw(**{"executor.threads": 0})), progress=False).prepare()
-        assert torch.get_num_threads() == before + 1  # 0 keeps what torch has
+        assert torch.get_num_threads() == 1  # 0: one thread, whatever torch had
     finally:
         torch.set_num_threads(before)
 
