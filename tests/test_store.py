@@ -184,6 +184,15 @@ def test_after_close_the_spill_folder_is_gone_and_states_in_memory_stay():
         store[0]
 
 
+@pytest.mark.gpu
+def test_spilled_tensors_come_back_on_the_stores_device():
+    store = ClientStore(2, cache_clients=1, device="cuda")
+    store[0]["w"] = torch.arange(4.0, device="cuda")
+    store[1]
+    assert 0 not in store.in_memory
+    assert store[0]["w"].device.type == "cuda" and torch.equal(store[0]["w"].cpu(), torch.arange(4.0))
+
+
 def test_bad_client_ids_are_key_errors():
     store = ClientStore(3)
     for bad in (3, -1, "0"):
