@@ -147,7 +147,7 @@ class Engine:
                                                 mean_samples * max(spec.training.local_epochs, 1))
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name != "sequential" else 1, "threads": threads}
-        return executors.make_executor(name, workers, threads, spec.executor.retries)
+        return executors.make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
 
     # -- one round --------------------------------------------------------------------
 

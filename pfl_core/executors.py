@@ -13,17 +13,19 @@ else are lost.
 from __future__ import annotations
 
 import collections
+import functools
 import multiprocessing
 import os
 import pickle
 import signal
+import socket
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from .errors import PflError
+from .errors import PflError, SpecError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -182,7 +184,196 @@ class ProcessExecutor:
         pass
 
 
-EXECUTORS = {SequentialExecutor.name: SequentialExecutor, ProcessExecutor.name: ProcessExecutor}
+# -- Ray ----------------------------------------------------------------------------------
+
+# What a ``ClientView`` carries that stays the same for a whole run: shipped to Ray's object
+# store once per run. Its other fields (the round, the participants ...) travel with each map.
+RUN_CONSTANT = ("spec", "params", "data", "models", "hooks", "device")
+
+RAY_MISSING = "executor.name: 'ray' needs Ray: pip install -e '.[ray]'"
+
+# In a Ray worker process: the last run's constant part and the last map's call, decoded once
+# and kept (one of each, so a worker that served an earlier run drops its data).
+_worker_runtime: tuple = (None, None)  # (object id, {name: value} of RUN_CONSTANT)
+_worker_call: tuple = (None, None)  # (object id, (function, its other arguments, round facts))
+_worker_threads: int | None = None
+
+
+def _fetched(cache: tuple, ref):
+    """(cache, value) for ``ref``: the cached value when ``ref`` is the cached one, else fetched."""
+    import ray
+
+    key = ref.hex()
+    if cache[0] == key:
+        return cache, cache[1]
+    value = ray.get(ref)
+    return (key, value), value
+
+
+def _ray_run(refs: list, threads: int, item):
+    """One item in a Ray worker: rebuild the client view from the run's constant part and the
+    map's round facts (both fetched once per worker), then call the map's function on it."""
+    global _worker_runtime, _worker_call, _worker_threads
+    import types
+
+    from .context import ClientView
+
+    if _worker_threads != threads:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)
+        _worker_threads = threads
+    runtime_ref, call_ref = refs  # nested in a list: Ray would otherwise fetch them for every item
+    _worker_runtime, runtime = _fetched(_worker_runtime, runtime_ref)
+    _worker_call, (func, args, kwargs, facts) = _fetched(_worker_call, call_ref)
+    view = ClientView(types.SimpleNamespace(**runtime, **facts))
+    return func(view, *args, item, **kwargs)  # = functools.partial(func, view, *args, **kwargs)(item)
+
+
+class RayExecutor:
+    """Items run as Ray tasks, on this machine (a local Ray started by ``ray.init``) or on an
+    existing cluster (``executor.address``: ``"auto"``, ``"host:6379"`` or ``"ray://host:10001"``).
+
+    What runs remotely is the client side: a ``map`` whose function is
+    ``functools.partial(f, view, ...)`` with ``view`` a ``ClientView`` and ``f`` importable
+    (``run_client``, ``evaluate_client``). The run's read-only data (the data set, the models,
+    the plugins, the spec) is put in Ray's object store once per run; each worker fetches it
+    once and keeps it, and rebuilds the view with the round's facts, which travel once per map.
+    Items (a client's message and state) and results travel per task. Any other function (a
+    closure over the server's context, e.g. COSMOS's per-cluster server training) runs here,
+    in the driver, one item after another: it may hold the server's state, which stays here.
+
+    Each task takes one CPU and runs one torch thread with flush-denormal on. Results come back
+    in the items' order. A task whose worker dies is run again by Ray up to ``retries`` times,
+    then the run stops naming the item (the client and round).
+    """
+
+    name = "ray"
+
+    def __init__(self, workers: int, threads: int = 1, retries: int = 1, address: str = ""):
+        try:
+            import ray
+        except ImportError:
+            raise PflError(RAY_MISSING) from None
+        self.ray = ray
+        self.threads = threads
+        self.retries = retries
+        self.address = address
+        self.started_ray = False
+        if not ray.is_initialized():
+            self._connect(workers)
+        self.slots = max(1, int(ray.cluster_resources().get("CPU", workers)))
+        self._remote = ray.remote(_ray_run).options(num_cpus=1, max_retries=retries, retry_exceptions=False)
+        self._runtime = None  # (the objects shipped, their object ref): one per run
+
+    def _connect(self, workers: int) -> None:
+        import logging
+
+        ray = self.ray
+        quiet = dict(log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if not self.address:
+            ray.init(num_cpus=workers, include_dashboard=False, **quiet)
+            self.started_ray = True
+            return
+        _check_reachable(self.address)
+        try:
+            ray.init(address=self.address, **quiet)
+        except Exception as exc:  # ConnectionError, a version mismatch, a timeout ...
+            raise SpecError("executor.address", f"cannot connect to Ray at {self.address!r}: "
+                                                f"{' '.join(str(exc).split())[:300]}") from None
+
+    def _ship(self, fn) -> list | None:
+        """The object refs a task needs for ``fn`` (run constant, this map's call), or None when
+        ``fn`` is not the client side's shape and runs in this process."""
+        from .context import ClientView
+
+        if not (isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], ClientView)):
+            return None
+        view = fn.args[0]
+        ray = self.ray
+        constant = {name: getattr(view, name) for name in RUN_CONSTANT}
+        if self._runtime is None or any(self._runtime[0][n] is not v for n, v in constant.items()):
+            try:
+                self._runtime = (constant, ray.put(constant))
+            except Exception as exc:
+                raise PflError(f"executor.name: 'ray' cannot send the run to Ray workers ({type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())[:200]}); a plugin may hold something that cannot be "
+                               f"pickled; use 'process' or 'sequential'") from None
+        facts = {name: getattr(view, name) for name in ClientView.READ_ONLY if name not in RUN_CONSTANT}
+        return [self._runtime[1], ray.put((fn.func, fn.args[1:], fn.keywords, facts))]
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        refs = self._ship(fn)
+        if refs is None:
+            for item in items:
+                yield fn(item)
+            return
+        ray = self.ray
+        from ray import exceptions
+
+        died = (exceptions.WorkerCrashedError, exceptions.RayActorError, exceptions.OutOfMemoryError,
+                exceptions.NodeDiedError, exceptions.LocalRayletDiedError)
+        window = 2 * self.slots  # tasks in flight: every CPU busy, and the next ones queued
+        source = iter(items)
+        pending: collections.deque = collections.deque()  # (item, object ref of its result)
+
+        def fill():
+            while len(pending) < window:
+                item = next(source, _END)
+                if item is _END:
+                    return
+                pending.append((item, self._remote.remote(refs, self.threads, item)))
+
+        try:
+            fill()
+            while pending:
+                item, ref = pending[0]
+                try:
+                    result = ray.get(ref)
+                except exceptions.RayTaskError as exc:  # the function raised: the same error here
+                    cause = exc.cause if isinstance(exc.cause, BaseException) else None
+                    if cause is None:
+                        raise
+                    raise cause from exc
+                except died as exc:
+                    why = " ".join(str(exc).split())[:200]
+                    raise PflError(f"executor: the Ray worker running {item} died ({type(exc).__name__}: {why}); "
+                                   f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
+                pending.popleft()
+                fill()
+                yield result
+        finally:
+            for _, ref in pending:  # a failed or abandoned map: stop the tasks still queued
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        self._runtime = None  # the object store frees the run's data once no task holds it
+
+
+_END = object()
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A fast, clear failure for an address nobody answers at (ray.init would retry for a
+    minute or more): a TCP connection to ``host:port`` within ``timeout`` seconds."""
+    if address == "auto":
+        return  # ray.init finds the local cluster's address itself, or fails at once
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise SpecError("executor.address", f"{address!r} is not 'auto', 'host:port' or 'ray://host:port'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise SpecError("executor.address", f"cannot reach Ray at {address!r} ({exc.strerror or exc}); is the "
+                                            f"cluster running (ray start --head) and the port open?") from None
+
+
+EXECUTORS = {SequentialExecutor.name: SequentialExecutor, ProcessExecutor.name: ProcessExecutor,
+             RayExecutor.name: RayExecutor}
 
 
 def plan(section, device: str, participants_per_round: int, samples_per_client: float) -> tuple[str, int, int]:
@@ -206,7 +397,9 @@ def plan(section, device: str, participants_per_round: int, samples_per_client: 
     return name, workers, threads
 
 
-def make_executor(name: str, workers: int = 1, threads: int = 1, retries: int = 1):
+def make_executor(name: str, workers: int = 1, threads: int = 1, retries: int = 1, address: str = ""):
     if name == "process":
         return ProcessExecutor(workers, threads, retries)
+    if name == "ray":
+        return RayExecutor(workers, threads, retries, address)
     return EXECUTORS[name]()

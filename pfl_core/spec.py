@@ -306,7 +306,7 @@ class TrackingSection:
 class ExecutorSection:
     # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
     # sequential (pfl_core/executors.py: plan). Every executor gives bit-identical results.
-    name: str = field(default="auto", validator=one_of("auto", "sequential", "process"))
+    name: str = field(default="auto", validator=one_of("auto", "sequential", "process", "ray"))
     device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
     # torch intra-op threads per process; 0 = 1 (more threads per process oversubscribe the
     # cores of a shared or parallel machine).
@@ -315,6 +315,9 @@ class ExecutorSection:
     workers: Optional[int] = field(default=None, validator=at_least(1))
     # times a client whose worker process died is run again before the run stops
     retries: int = field(default=1, validator=at_least(0))
+    # ray executor: "" starts Ray on this machine; "auto" joins the cluster this machine is part
+    # of (ray start); "host:6379" or "ray://host:10001" an existing cluster (docs/architecture.md).
+    address: str = ""
 
 
 @define
