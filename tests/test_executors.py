@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from harness import NEEDS, builtin_algorithms
+from harness import NEEDS, builtin_algorithms, dry_run_error
 from pfl_core import executors, hookimpl
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError
@@ -136,3 +136,15 @@ def test_the_executor_actually_used_is_logged_as_resolved_params():
     assert engine.ctx.resolved_values["executor.name"] == "process"
     assert engine.ctx.resolved_values["executor.workers"] == 2
     assert engine.ctx.resolved_values["executor.threads"] == 1
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("executor.name", "threads", "must be one of"),
+    ("executor.workers", 0, "must be >= 1"),
+    ("executor.workers", -2, "must be >= 1"),
+    ("executor.retries", -1, "must be >= 0"),
+])
+def test_bad_executor_settings_are_one_line_naming_the_key(tmp_path, capsys, key, value, fragment):
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**{key: value}))
+    assert line.startswith(f"{key}:") or f" {key}:" in line, line
+    assert fragment in line
