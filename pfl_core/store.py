@@ -54,7 +54,7 @@ AUTO_CACHE_CLIENTS = 256
 AUTO_CACHE_BYTES = 256 * 2**20
 MANIFEST = "clients.json"
 MANIFEST_FORMAT = "pfl-client-store/1"
-SUFFIX = ".state"
+SUFFIX = ".safetensors"  # stateio files are safetensors files
 
 
 def _refs(mapping: dict, key) -> int:

@@ -58,7 +58,7 @@ def assert_identical(a, b, where="state"):
 
 def spilled_files(store: ClientStore) -> set[str]:
     folder = store.spill_folder
-    return set() if folder is None else {p.name for p in folder.glob("*.state")}
+    return set() if folder is None else {p.name for p in folder.glob("*.safetensors")}
 
 
 # -- the cache ---------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_round_trip_through_spill_is_exact():
     store = ClientStore(3, cache_clients=1)
     store[0].update(rich_state())
     store[1]  # evicts client 0: written to its spill file
-    assert store.in_memory == [1] and spilled_files(store) == {"0.state"}
+    assert store.in_memory == [1] and spilled_files(store) == {"0.safetensors"}
     assert_identical(store[0], rich_state())
 
 
@@ -142,7 +142,7 @@ def test_empty_states_cost_nothing_on_disk():
     assert store.spill_folder is None and store.writes == 0
     store[3]["w"] = torch.ones(1)
     store[4]
-    assert spilled_files(store) == {"3.state"}
+    assert spilled_files(store) == {"3.safetensors"}
     store[3].clear()  # a state emptied: its file goes too
     store[4]
     assert spilled_files(store) == set() and store[3] == {}
@@ -209,7 +209,7 @@ def test_save_and_load_round_trip(tmp_path):
     for client_id in (0, 2, 3, 5):  # 1 and 4 keep empty states
         store[client_id].update(rich_state(), id=client_id)
     store.save(tmp_path / "ckpt")
-    assert {p.name for p in (tmp_path / "ckpt").glob("*.state")} == {"0.state", "2.state", "3.state", "5.state"}
+    assert {p.name for p in (tmp_path / "ckpt").glob("*.safetensors")} == {f"{i}.safetensors" for i in (0, 2, 3, 5)}
     restored = ClientStore(6, cache_clients=2)
     restored[1]["stale"] = 1  # replaced by the load
     restored.load(tmp_path / "ckpt")
@@ -258,7 +258,7 @@ def test_load_refuses_another_number_of_clients_or_a_missing_file(tmp_path):
     store.save(tmp_path)
     with pytest.raises(PflError, match="of 3 clients, this run has 4"):
         ClientStore(4).load(tmp_path)
-    (tmp_path / "0.state").unlink()
+    (tmp_path / "0.safetensors").unlink()
     with pytest.raises(PflError, match="missing"):
         ClientStore(3).load(tmp_path)
 
