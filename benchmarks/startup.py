@@ -76,8 +76,9 @@ def parse_importtime(stderr: str) -> list[Imported]:
 
 
 def first_importer(module: Imported) -> str:
-    """The nearest module outside ``module``'s package on its import chain: why it is loaded
-    (``-`` when the program imported it directly)."""
+    """The nearest module outside ``module``'s package on its import chain: why it is loaded.
+    ``-``: imported by the program itself or by a function at run time (a lazy import, such
+    as a plugin loaded from its entry point), not while another module was being imported."""
     node = module.parent
     while node is not None and node.package == module.package:
         node = node.parent
