@@ -52,6 +52,19 @@ class SequentialExecutor:
         pass
 
 
+class BatchedExecutor(SequentialExecutor):
+    """In this process, like ``sequential``, but a round's participants of one architecture
+    train together: stacked parameters, one ``torch.func.vmap`` per step (pfl_core/batched.py,
+    which says which methods qualify). Any other work runs one item after another."""
+
+    name = "batched"
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        from . import batched  # lazily: torch.func is only needed here
+
+        return batched.map_clients(fn, items)
+
+
 # The function of the current ``ProcessExecutor.map``: set before the workers fork, so they
 # inherit it (and everything it refers to: data, models, plugins) without pickling.
 _work_fn: Callable | None = None
@@ -374,6 +387,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
 
 EXECUTORS = {SequentialExecutor.name: SequentialExecutor, ProcessExecutor.name: ProcessExecutor,
              RayExecutor.name: RayExecutor}
+EXECUTORS[BatchedExecutor.name] = BatchedExecutor
 
 
 def plan(section, device: str, participants_per_round: int, samples_per_client: float) -> tuple[str, int, int]:

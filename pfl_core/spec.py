@@ -305,8 +305,10 @@ class TrackingSection:
 @define
 class ExecutorSection:
     # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
-    # sequential (pfl_core/executors.py: plan). Every executor gives bit-identical results.
-    name: str = field(default="auto", validator=one_of("auto", "sequential", "process", "ray"))
+    # sequential (pfl_core/executors.py: plan). Every executor gives bit-identical results,
+    # except "batched" (one architecture's clients trained together with torch.func.vmap,
+    # pfl_core/batched.py), equal to them up to float rounding where it trains clients together.
+    name: str = field(default="auto", validator=one_of("auto", "sequential", "process", "ray", "batched"))
     device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
     # torch intra-op threads per process; 0 = 1 (more threads per process oversubscribe the
     # cores of a shared or parallel machine).
@@ -373,6 +375,11 @@ class Spec:
                 f"{self.experiment.coldstart_clients} cold-start clients leave no client to train "
                 f"(partition.num_clients = {self.partition.num_clients})",
             )
+        archs = sorted(set(self.model.clients or self.model.pool or [self.model.name]))
+        if self.executor.name == "batched" and len(archs) > 1:
+            raise FieldError("executor.name", f"'batched' trains clients of one architecture together, but "
+                                              f"{'model.clients' if self.model.clients else 'model.pool'} gives "
+                                              f"{len(archs)} ({', '.join(archs)}); use 'sequential' or 'process'")
 
 
 # ---------------------------------------------------------------------------
