@@ -24,6 +24,10 @@ the shape), and equal plain values; a state holding numpy arrays is always writt
 has no version counter). Evaluating 10,000 clients therefore reads their states and writes
 none. An empty state has no file.
 
+The spill folder (``pfl-state-*``) is removed by :meth:`ClientStore.close` (the engine calls
+it at the end of a run), or when the store is collected or the interpreter exits, only ever
+by the process that made it; a process killed outright leaves it behind.
+
 Spilled tensors are loaded back on the store's ``device``; a state file keeps dtypes, shapes,
 nesting (dict, list, tuple; int or str keys) and plain values exactly (numpy scalars come back
 as Python numbers, which is how stateio stores them).
@@ -357,8 +361,15 @@ class ClientStore:
                 Path(self._spill_parent).mkdir(parents=True, exist_ok=True)
             self._spill = Path(tempfile.mkdtemp(prefix="pfl-state-", dir=self._spill_parent))
             # Removed by close(), or when the store is collected or the interpreter exits.
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._spill, ignore_errors=True)
+            self._cleanup = weakref.finalize(self, _remove_spill, self._spill, os.getpid())
         return self._spill / f"{client_id}{SUFFIX}"
+
+
+def _remove_spill(folder: Path, owner_pid: int) -> None:
+    """Remove the spill folder, from the process that made it only: a forked worker process
+    holds a copy of the store, and its copy going away must not take the folder with it."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tensor_bytes(state) -> int:

@@ -1,6 +1,8 @@
 """The client store: bounded cache, spill to disk, checkpoints (pfl_core/store.py)."""
 
+import gc
 import math
+import os
 
 import numpy as np
 import pytest
@@ -182,6 +184,22 @@ def test_after_close_the_spill_folder_is_gone_and_states_in_memory_stay():
     assert torch.equal(store[1]["w"], torch.zeros(1))
     with pytest.raises(PflError, match="client 0's state was spilled"):
         store[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_copy_of_the_store_going_away_leaves_the_spill_folder():
+    """A process executor's forked workers hold copies of the run context and its store."""
+    store = ClientStore(2, cache_clients=1)
+    store[0]["w"] = torch.ones(1)
+    store[1]
+    pid = os.fork()
+    if pid == 0:  # the worker: its copy of the store is collected, then it exits
+        del store
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert store.spill_folder.is_dir() and torch.equal(store[0]["w"], torch.ones(1))
+    store.close()
 
 
 @pytest.mark.gpu
