@@ -35,9 +35,13 @@ INCOMPLETE = "INCOMPLETE"
 def check_target(path: str | Path, overwrite: bool) -> None:
     """Refuse an existing ``--out`` directory (one line) unless ``--overwrite``."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise PflError(f"--out {path}: {exc.strerror or exc}") from None
+    if exists and not is_dir:
         raise PflError(f"--out {path} exists and is not a directory")
-    if path.exists() and not overwrite:
+    if exists and not overwrite:
         raise PflError(f"--out {path} already exists; pass --overwrite to replace its results, or choose another directory")
 
 
@@ -55,7 +59,10 @@ class ResultsDir:
     def start(self, spec_toml: str) -> None:
         """Create the directory (after the spec validated) and write the spec as run."""
         check_target(self.path, self.overwrite)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # permission denied, a read-only or full file system
+            raise PflError(f"--out {self.path}: cannot create it ({exc.strerror or exc})") from None
         # --overwrite: only the files a previous pfl-run wrote are removed, never anything else
         for name in (COMPARISON, DIFFERENCES, INCOMPLETE):
             (self.path / name).unlink(missing_ok=True)

@@ -12,7 +12,7 @@ import attrs
 
 from .engine import Engine, Resolved, RunResult, resolve, table_csv
 from .errors import Interrupted, PflError, SpecError
-from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, structure
+from .spec import POINTS, PluginRef, apply_overrides, expand_sweep, load_toml, set_dotted, shown, structure
 from .stats import Summary, paired_difference, summarize
 from .tracking import (begin_study, check_store, flatten, human_bytes, human_seconds, log_accuracy_distribution,
                        make_tracker, run_status, studied)
@@ -71,15 +71,10 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
             points.append(Point(settings, resolve(point), point, base))
         except SpecError as exc:
             if settings:  # say which sweep point broke
-                where = ", ".join(f"{k}={_short(v)}" for k, v in settings.items())
+                where = ", ".join(f"{k}={shown(v)}" for k, v in settings.items())
                 raise SpecError(exc.path, f"{exc.message} (sweep point {where})") from None
             raise
     return points
-
-
-def _short(value, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _sweeps_algorithm(sweep: dict) -> bool:

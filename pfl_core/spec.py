@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import datetime
 import itertools
 import json
 import typing
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -23,6 +25,7 @@ import attrs
 import cattrs
 from attrs import define, field
 from cattrs.cols import list_structure_factory
+from cattrs.gen import make_dict_structure_fn
 from cattrs.errors import (
     ClassValidationError,
     ForbiddenExtraKeysError,
@@ -390,10 +393,27 @@ def _type_name(value) -> str:
     return type(value).__name__
 
 
+def shown(value: Any, width: int = 60) -> str:
+    """A spec value as an error message shows it, cut to ``width`` characters: Python's repr,
+    except that TOML dates and times are spelled as in TOML (never ``datetime.date(...)``)."""
+
+    def text(v):
+        if isinstance(v, (datetime.date, datetime.time)):  # datetime.datetime is a date
+            return v.isoformat()
+        if isinstance(v, list):
+            return "[" + ", ".join(map(text, v)) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k!r}: {text(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
+    out = text(value)
+    return out if len(out) <= width else out[: width - 3] + "..."
+
+
 def _strict(kind, accept, description):
     def structure(value, _type):
         if not accept(value):
-            raise TypeError(f"expected {description}, got {value!r} ({_type_name(value)})")
+            raise TypeError(f"expected {description}, got {shown(value)} ({_type_name(value)})")
         return kind(value)
 
     return structure
@@ -413,7 +433,8 @@ def make_converter() -> cattrs.Converter:
     is_int = _strict(int, lambda v: isinstance(v, int) and not_bool(v), "an integer")
     is_number = _strict(float, lambda v: isinstance(v, (int, float)) and not_bool(v), "a number")
     conv.register_structure_hook(int, lambda v, t: is_int(_in_toml_range(v), t))
-    conv.register_structure_hook(float, lambda v, t: is_number(_in_toml_range(v), t))
+    # + 0.0: -0.0 passes ">= 0" yet numpy refuses it as a scale ("scale < 0")
+    conv.register_structure_hook(float, lambda v, t: is_number(_in_toml_range(v), t) + 0.0)
     conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str), "a string"))
     conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool), "true or false"))
     conv.register_structure_hook(Any, lambda v, _t: v)
@@ -422,12 +443,24 @@ def make_converter() -> cattrs.Converter:
 
         def structure_list(value, _type):
             if not isinstance(value, list):  # a string or table is not iterated item by item
-                raise TypeError(f"expected a list, got {value!r} ({_type_name(value)})")
+                raise TypeError(f"expected a list, got {shown(value)} ({_type_name(value)})")
             return items(value, _type)
 
         return structure_list
 
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook_factory)
+
+    def table_hook_factory(cls):
+        fields = make_dict_structure_fn(cls, conv)
+
+        def structure_table(value, _type):
+            if not isinstance(value, dict):  # else cattrs' "'int' object has no attribute 'keys'"
+                raise TypeError(f"expected a table, got {shown(value)} ({_type_name(value)})")
+            return fields(value, _type)
+
+        return structure_table
+
+    conv.register_structure_hook_factory(attrs.has, table_hook_factory)
     return conv
 
 
@@ -471,6 +504,8 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
             return path + [extra], renamed
         hint = did_you_mean(extra, known)
         valid = f"valid keys here: {', '.join(known)}" if known else "this table takes no keys"
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", extra):  # spelled as in TOML: "", " ", "a.b"
+            extra = json.dumps(extra, ensure_ascii=False)
         return path + [extra], f"unknown key{hint}; {valid}"
     if isinstance(exc, FieldError):
         return path + [exc.name], exc.message
@@ -478,7 +513,7 @@ def _first_error(exc: BaseException, path: list[str]) -> tuple[list[str], str]:
         key = str(exc.args[0])
         return (path if path[-1:] == [key] else path + [key]), "required key is missing"
     if isinstance(exc, AttributeError) and exc.name == "items":  # a mapping field given a scalar or list
-        return path, f"expected a table, got {exc.obj!r}"
+        return path, f"expected a table, got {shown(exc.obj)}"
     return path, str(exc)
 
 
@@ -496,7 +531,7 @@ def structure(data: Any, cls: type, path: str = ""):
     """Structure ``data`` into ``cls``; any problem becomes a SpecError naming the key path."""
     prefix = [path] if path else []
     if not isinstance(data, dict) and attrs.has(cls):
-        raise SpecError(path, f"expected a table, got {data!r}")
+        raise SpecError(path, f"expected a table, got {shown(data)} ({_type_name(data)})")
     try:
         return converter.structure(data, cls)
     except SpecError:
@@ -516,9 +551,13 @@ def unstructure(obj) -> Any:
 
 def load_toml(path: str | Path) -> dict:
     path = Path(path)
-    if not path.exists():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise SpecError("", f"cannot read spec file {path}: {exc.strerror or exc}") from None
+    if not exists:
         raise SpecError("", f"spec file not found: {path}")
-    if path.is_dir():
+    if is_dir:
         raise SpecError("", f"spec path {path} is a directory, not a TOML file")
     try:
         with path.open("rb") as fh:
@@ -699,7 +738,7 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
     """The raw spec for each point of the sweep's cartesian product, with its settings."""
     sweep = raw.get("sweep", {})
     if not isinstance(sweep, dict):  # `sweep = []` is not "no sweep"
-        raise SpecError("sweep", f"expected a table of dotted.key = [values], got {_type_name(sweep)} {sweep!r:.60}")
+        raise SpecError("sweep", f"expected a table of dotted.key = [values], got {_type_name(sweep)} {shown(sweep)}")
     for key, values in sweep.items():
         if isinstance(values, dict):
             raise SpecError(f"sweep.{key}", "a sweep axis is one quoted dotted key with a list of values, e.g. "
@@ -710,6 +749,11 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
         if not isinstance(entry, dict) or not entry:
             raise SpecError(f"sweep.{POINTS}[{i}]", "expected a table of dotted.key = value overrides, e.g. "
                                                     '{ algorithm = { name = "local" }, "training.local_epochs" = 3 }')
+        for key in entry:
+            _check_swept_key(key, f"sweep.{POINTS}[{i}].{key}")
+    for key in sweep:
+        if key != POINTS:
+            _check_swept_key(key, f"sweep.{key}")
     sizes = [len(values) for values in sweep.values()]
     if math.prod(sizes) > MAX_SWEEP_POINTS:
         raise SpecError("sweep", f"expands to {math.prod(sizes)} points ({' x '.join(map(str, sizes))} values), "
@@ -726,6 +770,19 @@ def expand_sweep(raw: dict) -> list[tuple[dict[str, Any], dict]]:
                 set_dotted(point, dotted, item)
         points.append((settings, point))
     return points
+
+
+def _check_swept_key(key: str, path: str) -> None:
+    """A swept key must lead into a section of the spec; else the points' own errors would name
+    a key (``nonsense: unknown key``) that is nowhere in the file."""
+    try:
+        section = split_key(key)[0]
+    except SpecError:
+        raise SpecError(path, f"{key!r} is not a dotted key into the spec, e.g. \"training.lr\"") from None
+    sections = [f.name for f in attrs.fields(Spec) if f.name not in ("sweep", "budget")]
+    if section not in sections:
+        raise SpecError(path, f"sets '{section}', which is not a section of the spec"
+                              f"{did_you_mean(section, sections)}; sections: {', '.join(sections)}")
 
 
 # A sweep axis whose values are whole sets of overrides applied together (zipped, not

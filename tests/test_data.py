@@ -191,7 +191,7 @@ def test_npz_errors(tmp_path):
     assert err.value.path.startswith("data.params.path")
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip file")
-    with pytest.raises(DataError, match="cannot read npz file"):
+    with pytest.raises(DataError, match="is not an npz file"):
         dataset("npz", {"path": str(bad)}).load()
     np.savez(tmp_path / "nox.npz", y_train=np.zeros(3, dtype=np.int64))
     with pytest.raises(DataError, match="no 'x_train' array"):
@@ -214,7 +214,7 @@ def test_torchvision_missing_without_download(tmp_path, name, display):
     with pytest.raises(DataError) as err:
         dataset(name, {"root": str(tmp_path), "download": False}).load()
     msg = str(err.value)
-    assert msg.startswith(f"{display} not found under {tmp_path} and could not be downloaded")
+    assert msg.startswith(f"data.params.root: {display} not found under {tmp_path} and could not be downloaded")
     assert "download is false" in msg and "data.params.root" in msg and "\n" not in msg
 
 
@@ -242,7 +242,7 @@ def test_torchvision_download_fails_fast_and_cleanly(tmp_path, no_network, name,
         dataset(name, {"root": str(tmp_path), "download": True}).load()
     assert time.monotonic() - start < 20
     msg = str(err.value)
-    assert msg.startswith(f"{display} not found under {tmp_path} and could not be downloaded (download failed:")
+    assert msg.startswith(f"data.params.root: {display} not found under {tmp_path} and could not be downloaded (download failed:")
     assert "Name or service not known" in msg and "\n" not in msg
     assert no_network and all(t == 3.0 for t in no_network)  # the short timeout was in force
     assert socket.getdefaulttimeout() == before  # and restored

@@ -66,6 +66,10 @@ class RawDataset:
                     fail(f"uint8 x_{split} must be images (N,H,W) or (N,H,W,C), got shape {x.shape}")
             elif not np.issubdtype(x.dtype, np.floating):
                 fail(f"x_{split} must be uint8 images or float features, got dtype {x.dtype}")
+            else:
+                _check_finite_float32(x, f"x_{split}", fail)
+            if split == "test" and len(x) == 0:
+                fail("x_test and y_test are empty; leave both out when there is no test split")
             if shape is None:
                 shape = x.shape[1:]
             elif x.shape[1:] != shape:
@@ -102,6 +106,23 @@ class RawDataset:
         if self.domain_test is not None:
             self.domain_test = np.asarray(self.domain_test).astype(np.int64, copy=False)
         return self
+
+
+def _check_finite_float32(x: np.ndarray, name: str, fail) -> None:
+    """Features are used as float32: a NaN or infinite value, or one beyond float32's range
+    (which becomes infinite), would turn every loss into NaN."""
+    finite = np.isfinite(x)
+    if not finite.all():
+        bad = ~finite
+        sample = int(np.argmax(bad.reshape(len(x), -1).any(axis=1)))
+        count = int(bad.sum())
+        fail(f"{name} has {count} NaN or infinite value{'s' if count > 1 else ''} (the first in sample {sample}); "
+             "replace or drop those samples")
+    if x.dtype.itemsize > 4 and x.size:
+        largest = float(np.abs(x).max())
+        if largest > float(np.finfo(np.float32).max):
+            fail(f"{name} has values up to {largest:.3g}, beyond float32's range (features are used as "
+                 "float32); rescale them")
 
 
 class DatasetPlugin(Plugin):

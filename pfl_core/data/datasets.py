@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import socket
 import zipfile
@@ -98,6 +100,15 @@ class Synthetic(DatasetPlugin):
         u = rng.normal(0.0, p.alpha, p.num_devices)
         big_b = rng.normal(0.0, p.beta, p.num_devices)
         v = rng.normal(big_b[:, None], 1.0, (p.num_devices, dim))
+        # |x| is about |v| (scale <= 1) and the logits x @ w about |v| |u| dim: both must fit
+        # (float32 features, float64 logits), else the data are infinite or NaN.
+        largest_x, largest_w = float(np.abs(v).max()) + 10.0, float(np.abs(u).max()) + 10.0
+        if largest_x > float(np.finfo(np.float32).max):
+            raise SpecError(f"{self.spec_path}.params.beta", f"{p.beta} makes features of about {largest_x:.3g}, "
+                                                             "beyond float32's range; use a smaller beta")
+        if largest_x * largest_w * dim > 1e300:
+            raise SpecError(f"{self.spec_path}.params.alpha", f"{p.alpha} with beta = {p.beta} makes the labelling "
+                                                              "models' outputs overflow; use smaller values")
         scale = np.arange(1, dim + 1, dtype=np.float64) ** (-1.2 / 2)  # sqrt(Sigma_jj)
         xs, ys = [], []
         for k in range(p.num_devices):
@@ -152,21 +163,33 @@ class Npz(DatasetPlugin):
         def fail(message):  # every problem with the file names the key that chose it
             raise DataError(f"data.params.path: {message}")
 
-        if not path.is_file():
-            fail(f"npz file not found: {path}")
+        write_one = "write one with numpy.savez(path, x_train=..., y_train=...)"
+        try:
+            exists, is_dir, is_file = path.exists(), path.is_dir(), path.is_file()
+            with open(path, "rb") if is_file else contextlib.nullcontext() as fh:
+                magic = fh.read(6) if is_file else b""
+        except OSError as exc:  # unreadable, or a name longer than the file system allows
+            fail(f"cannot read npz file {path}: {exc.strerror or exc}")
+        if is_dir:
+            fail(f"{path} is a directory, not an npz file")
+        if not is_file:
+            fail(f"{path} is not a regular file" if exists else f"npz file not found: {path}")
+        if magic == b"\x93NUMPY":
+            fail(f"{path} is a single .npy array, not an .npz archive of named arrays; {write_one}")
+        if not magic.startswith(b"PK"):  # numpy would call any other file "pickled data"
+            fail(f"{path} is not an npz file (a zip archive of .npy arrays); {write_one}")
         key = self.params.domain_key
         try:
-            loaded = np.load(path, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                fail(f"{path} is a single .npy array, not an .npz archive of named arrays; write one with "
-                     "numpy.savez(path, x_train=..., y_train=...)")
-            with loaded as f:
+            _check_npy_headers(path, fail)
+            with np.load(path, allow_pickle=False) as f:  # object arrays are refused, never unpickled
                 members = list(f.files)
                 # a member that is not a .npy file reads as bytes
                 arrays = {name: value for name in members if isinstance(value := f[name], np.ndarray)}
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             fail(f"cannot read npz file {path}: {first}")
+        except MemoryError:
+            fail(f"npz file {path} is too large to load into this machine's memory")
         if not arrays:
             fail(f"npz file {path} holds no .npy arrays (members: {', '.join(sorted(members)) or 'none'}); write "
                  "it with numpy.savez(path, x_train=..., y_train=...)")
@@ -210,6 +233,44 @@ class Npz(DatasetPlugin):
             domain_names=[str(d) for d in domain_names] if domain_names is not None else None,
         )
         return raw.validate(source)
+
+
+def _check_npy_headers(path: Path, fail) -> None:
+    """Read each member's .npy header (never its data) and refuse, naming the array: object
+    arrays (only pickle could load them), and a header whose shape needs more bytes than the
+    member holds (truncated or corrupt; numpy would allocate the declared size first) or than
+    this machine has memory."""
+    memory = _physical_memory()
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename[: -len(".npy")]
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                               (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                if read_header is None:  # a newer format: numpy.load checks it
+                    continue
+                shape, _fortran, dtype = read_header(member)
+                if dtype.hasobject:
+                    fail(f"npz file {path}: '{name}' holds Python objects (dtype object), which only pickle "
+                         "can load, and pfl never unpickles a data file; save numeric arrays")
+                needed = math.prod(shape) * dtype.itemsize
+                held = info.file_size - member.tell()
+            if needed > held:
+                fail(f"npz file {path}: '{name}' is truncated or corrupt: its header says shape {tuple(shape)} "
+                     f"({needed} bytes) but it holds {held} bytes")
+            if memory and needed > memory:
+                fail(f"npz file {path}: '{name}' needs {needed / 2**30:.1f} GiB, more than this machine's "
+                     f"memory ({memory / 2**30:.1f} GiB)")
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -263,7 +324,7 @@ class _Torchvision(DatasetPlugin):
                 reason = self._try_download(root)
             if reason is not None:
                 raise DataError(
-                    f"{self.display} not found under {root} and could not be downloaded "
+                    f"data.params.root: {self.display} not found under {root} and could not be downloaded "
                     f"({reason}); put torchvision's {self.display} files there "
                     f"(e.g. {os.path.join(root, self.folder)}{os.sep}) or set data.params.root"
                 ) from None
@@ -271,7 +332,7 @@ class _Torchvision(DatasetPlugin):
                 train, test = self._load_both(root)
             except Exception as exc:
                 raise DataError(
-                    f"{self.display} was downloaded to {root} but cannot be read ({_short(exc)}); "
+                    f"data.params.root: {self.display} was downloaded to {root} but cannot be read ({_short(exc)}); "
                     f"delete {os.path.join(root, self.folder)} and try again"
                 ) from None
         return self._to_raw(train, test)

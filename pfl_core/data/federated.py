@@ -369,7 +369,7 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     partitioner = instantiate(
         PARTITIONER, spec.partition.scheme, spec.partition.params, "partition.scheme", "partition.params"
     )
-    raw = dataset.load().validate(f"dataset '{spec.data.name}'")
+    raw = dataset.load().validate(f"data.name: dataset '{spec.data.name}'")
     pool = _Pool(raw, spec.data.include_test)
     num_classes = raw.num_classes
 
