@@ -2,8 +2,8 @@
 """Screenshots of the MLflow UI on a pfl sweep, taken with headless Chromium (a script, not a test).
 
 Runs a sweep (``pfl-run SPEC --quiet``) into a new SQLite store in a temporary folder, starts
-``mlflow ui`` on that store on a free port (waits until ``/health`` answers; always stops it at
-the end), finds the study's top-level runs with ``mlflow.MlflowClient`` and saves, in OUT:
+``mlflow ui`` on that store on a free port meanwhile (waits until ``/health`` answers; always
+stops it at the end), finds the study's top-level runs with ``mlflow.MlflowClient`` and saves, in OUT:
 
 - ``mlflow-runs-chart.png``: the experiment's **Runs** page in chart view, listing the sweep's
   runs (the study parent's children, shown flat and sorted by ``acc_mean``);
@@ -87,10 +87,23 @@ def run_sweep(spec: Path, overrides: list[str], tracking_uri: str, timeout_s: fl
     for override in overrides:
         command += ["--set", override]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    # Its own process group: on a timeout its executor's worker processes are stopped with it.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise ScreenshotError(f"the sweep took more than {timeout_s:.0f} s (--timeout): {' '.join(command)}") from None
     if proc.returncode != 0:
-        raise ScreenshotError(f"the sweep failed (exit {proc.returncode}): {' '.join(command)}\n"
-                              f"{proc.stderr.strip()[-2000:]}")
+        raise ScreenshotError(f"the sweep failed (exit {proc.returncode}): {' '.join(command)}\n{stderr.strip()[-2000:]}")
+
+
+def create_store(tracking_uri: str) -> None:
+    """Create the SQLite store's tables (MLflow does so on first use)."""
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri).search_experiments()
 
 
 def study_runs(tracking_uri: str) -> tuple[str, str, list]:
@@ -149,16 +162,17 @@ def wait_until_up(base: str, server: subprocess.Popen, timeout_s: float) -> None
     raise ScreenshotError(f"mlflow ui did not answer on {base}/health within {timeout_s:.0f} s")
 
 
-def stop(server: subprocess.Popen) -> None:
-    """Stop ``mlflow ui`` and its workers (its own process group, started by us)."""
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGTERM)
+def stop(process: subprocess.Popen) -> None:
+    """Stop a process we started in its own session, and its children (``mlflow ui``'s workers,
+    the sweep's executor processes): the whole process group."""
     try:
-        server.wait(timeout=10)
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+    except ProcessLookupError:
+        return
     except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def browse(browser: str, url: str, window: tuple[int, int], output: list[str], timeout_s: float) -> str:
@@ -216,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="pfl-mlflow-ui-") as tmp:
             tracking_uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
-            started = time.monotonic()
-            run_sweep(args.spec, args.overrides, tracking_uri, args.timeout)
-            note(f"sweep {args.spec} logged to {tracking_uri}", started)
-            experiment_id, parent_id, children = study_runs(tracking_uri)
+            create_store(tracking_uri)
+            # The UI starts while the sweep runs (both take seconds to import); the store exists
+            # already, so neither creates its tables under the other's feet.
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             server = subprocess.Popen(
@@ -228,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             try:
                 started = time.monotonic()
+                run_sweep(args.spec, args.overrides, tracking_uri, args.timeout)
+                note(f"sweep {args.spec} logged to {tracking_uri}", started)
+                experiment_id, parent_id, children = study_runs(tracking_uri)
                 wait_until_up(base, server, args.timeout)
-                note(f"mlflow ui answers on {base}", started)
+                note(f"mlflow ui answers on {base} (time since the sweep began)", started)
                 pictures = [
                     (args.out / CHART_PICTURE, runs_chart_url(base, experiment_id, parent_id), args.window_size),
                     (args.out / COMPARE_PICTURE, compare_url(base, experiment_id, [run.info.run_id for run in children]),
