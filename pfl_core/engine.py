@@ -129,7 +129,7 @@ class Engine:
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
-                         self._make_executor(data, device), device)
+                         self._make_executor(data, models, device), device)
         ctx.tracker = self.tracker
         held_out = spec.experiment.coldstart_clients
         if held_out:
@@ -138,13 +138,14 @@ class Engine:
             ctx.training_clients = [i for i in range(ctx.num_clients) if i not in ctx.coldstart_clients]
         return ctx
 
-    def _make_executor(self, data, device: torch.device):
+    def _make_executor(self, data, models: ModelBank, device: torch.device):
         """The spec's executor, ``auto`` resolved for this machine and this run's round size."""
         spec = self.spec
         per_round = max(1, round(spec.experiment.participation * len(data.clients)))
         mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
-        name, workers, threads = executors.plan(spec.executor, device.type, per_round,
-                                                mean_samples * max(spec.training.local_epochs, 1))
+        parameters = sum(t.numel() for t in models.initial_state(models.arch_of(0)).values())
+        work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
+        name, workers, threads = executors.plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name != "sequential" else 1, "threads": threads}
         return executors.make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
@@ -250,6 +251,8 @@ class Engine:
         status = "FAILED"
         try:
             self.checkpointer = checkpoint.checkpointer_for(self, resume)
+            if hasattr(self.tracker, "keep_journal_in"):  # what the store misses goes beside the checkpoints
+                self.tracker.keep_journal_in(self.checkpointer.folder)
             result = self._run(ctx)
             status = "FINISHED"
             result.run_id = self.tracker.run_id

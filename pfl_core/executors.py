@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
+import threading
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -69,6 +74,22 @@ class BatchedExecutor(SequentialExecutor):
 # inherit it (and everything it refers to: data, models, plugins) without pickling.
 _work_fn: Callable | None = None
 _running = None  # shared array: per worker slot, (pid, index of the item it runs)
+
+
+_warmed_up = False
+
+
+def _warm_up_torch() -> None:
+    """Import in this process what torch imports lazily at the first optimiser step (~900
+    modules, torch._dynamo and sympy among them: seconds): a worker forked before that would
+    import them again in every pool, measured 5-14 s per worker here."""
+    global _warmed_up
+    if not _warmed_up:
+        parameter = torch.nn.Parameter(torch.ones(1))
+        optimizer = torch.optim.SGD([parameter], lr=0.0)
+        parameter.sum().backward()
+        optimizer.step()
+        _warmed_up = True
 
 
 def _init_worker(threads: int) -> None:
@@ -126,6 +147,7 @@ class ProcessExecutor:
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
         context = multiprocessing.get_context("fork")
+        _warm_up_torch()
         window = 2 * self.workers  # items in flight: enough to keep every worker busy
         source = enumerate(items)
         pending: collections.deque = collections.deque()  # (index, item, future)
@@ -268,6 +290,9 @@ class RayExecutor:
         except ImportError:
             raise PflError(RAY_MISSING) from None
         self.ray = ray
+        # errors are reported here from the items' results; Ray would also print, at exit, the
+        # errors of the tasks left unread after the first one failed
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
         self.threads = threads
         self.retries = retries
         self.address = address
@@ -279,21 +304,12 @@ class RayExecutor:
         self._runtime = None  # (the objects shipped, their object ref): one per run
 
     def _connect(self, workers: int) -> None:
-        import logging
-
-        ray = self.ray
-        quiet = dict(log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if not self.address:
-            ray.init(num_cpus=workers, include_dashboard=False, **quiet)
+            start_local_ray(workers)
             self.started_ray = True
             return
         _check_reachable(self.address)
-        try:
-            ray.init(address=self.address, **quiet)
-        except Exception as exc:  # ConnectionError, a version mismatch, a timeout ...
-            raise SpecError("executor.address", f"cannot connect to Ray at {self.address!r}: "
-                                                f"{' '.join(str(exc).split())[:300]}") from None
+        _join_cluster(self.ray, self.address)
 
     def _ship(self, fn) -> list | None:
         """The object refs a task needs for ``fn`` (run constant, this map's call), or None when
@@ -367,11 +383,71 @@ class RayExecutor:
 
 
 _END = object()
+_QUIET = dict(log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A fast, clear failure for an address nobody answers at (ray.init would retry for a
-    minute or more): a TCP connection to ``host:port`` within ``timeout`` seconds."""
+def start_local_ray(cpus: int) -> None:
+    """Start Ray on this machine with ``cpus`` CPUs, quietly (no dashboard, no worker logs).
+    Its workers get this process's own import folders (the working directory, a plugin's
+    folder on ``sys.path``): they unpickle functions by module name, as this process would."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    own = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    own = [p for p in own if not any(os.path.realpath(p).startswith(prefix) for prefix in installed)]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(own))} if own else {}
+    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env} if env else None, **_QUIET)
+
+
+CONNECT_SECONDS = 12.0  # ray.init's own retries take 35 s or more before giving up
+
+
+_PROBE = ("import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); "
+          "ray.shutdown()")
+
+
+def _join_cluster(ray, address: str, seconds: float = CONNECT_SECONDS) -> None:
+    """``ray.init(address)``, or one clear error naming ``executor.address`` when it fails or
+    has not connected within ``seconds``. A throw-away process tries first: a cluster that
+    does not answer makes Ray's C++ client log a line per second to this process's stderr
+    while it retries, and that process can be stopped. Then this process connects (in a
+    daemon thread, left behind if it still hangs: the run stops here anyway)."""
+    def failed(why: str) -> SpecError:
+        return SpecError("executor.address", f"cannot connect to Ray at {address!r}: {why}; is the cluster "
+                                             f"running (ray start --head) and its port open from here?")
+
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, address], capture_output=True, text=True,
+                               timeout=seconds)
+    except subprocess.TimeoutExpired:
+        raise failed(f"no Ray cluster answered within {seconds:.0f} s") from None
+    if probe.returncode != 0:
+        lines = [line for line in probe.stderr.splitlines() if line.strip()]
+        raise failed(" ".join((lines[-1] if lines else f"exit code {probe.returncode}").split())[:300])
+    warnings.filterwarnings("ignore", message="Ray Client connection timed out")  # said here, once
+    outcome: dict = {}
+
+    def connect():
+        try:
+            ray.init(address=address, **_QUIET)
+            outcome["connected"] = True
+        except BaseException as exc:  # ConnectionError, a version mismatch ...
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="pfl-ray-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "connected" in outcome:
+        return
+    if "error" in outcome:
+        raise failed(" ".join(str(outcome["error"]).split())[:300] or type(outcome["error"]).__name__)
+    raise failed(f"no Ray cluster answered within {seconds:.0f} s")
+
+
+def _check_reachable(address: str, timeout: float = 3.0) -> None:
+    """A fast, clear failure for an address where nothing listens: a TCP connection to
+    ``host:port`` within ``timeout`` seconds."""
     if address == "auto":
         return  # ray.init finds the local cluster's address itself, or fails at once
     hostport = address.split("://", 1)[-1].rstrip("/")
@@ -390,13 +466,21 @@ EXECUTORS = {SequentialExecutor.name: SequentialExecutor, ProcessExecutor.name: 
 EXECUTORS[BatchedExecutor.name] = BatchedExecutor
 
 
-def plan(section, device: str, participants_per_round: int, samples_per_client: float) -> tuple[str, int, int]:
+# Parameter-samples (model parameters x samples trained) a round needs before a pool pays
+# for itself: forking and feeding a pool costs ~0.1-0.3 s a round on this project's 2-core
+# machines, and one parameter-sample ~10-40 ns, so below ~1e8 a round is over before the
+# pool saves that much (e.g. the quickstart's logistic regression: 5e6, sequential; 100
+# LeNet-5 clients x 500 samples: 3e9, the pool).
+POOL_MIN_WORK = 1e8
+
+
+def plan(section, device: str, participants_per_round: int, param_samples_per_round: float) -> tuple[str, int, int]:
     """(executor name, workers, torch threads) for a spec's ``[executor]``.
 
     ``name = "auto"``: a process pool with one 1-thread worker per core when there is enough
-    per-round work to share (at least two participants per worker, and enough samples that
-    forking the pool costs little), else the sequential loop with one thread. One thread per
-    process because torch's default (one per core) oversubscribes a machine that is shared or
+    per-round work to share (at least two participants per worker and ``POOL_MIN_WORK``
+    parameter-samples), else the sequential loop with one thread. One thread per process
+    because torch's default (one per core) oversubscribes a machine that is shared or
     already running other workers: measured 6x slower on this project's 2-core machines.
     A CUDA device keeps the sequential loop (a forked process cannot use the parent's CUDA).
     """
@@ -405,7 +489,7 @@ def plan(section, device: str, participants_per_round: int, samples_per_client: 
     workers = section.workers or cores
     name = section.name
     if name == "auto":
-        enough_work = participants_per_round >= 2 * workers and participants_per_round * samples_per_client >= 2000
+        enough_work = participants_per_round >= 2 * workers and param_samples_per_round >= POOL_MIN_WORK
         name = "process" if (device == "cpu" and cores >= 2 and enough_work and
                              "fork" in multiprocessing.get_all_start_methods()) else "sequential"
     return name, workers, threads

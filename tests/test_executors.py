@@ -3,8 +3,12 @@ a worker that dies is retried or reported with its client and round; ``auto`` is
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from harness import NEEDS, builtin_algorithms, dry_run_error
 from pfl_core import executors, hookimpl
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError
-from pfl_core.spec import ExecutorSection
+from pfl_core.spec import ExecutorSection, dump_toml
 from tiny import tiny_raw
 
 WALL_CLOCK = ("round_seconds", "eval_seconds")
@@ -48,17 +52,22 @@ def assert_identical(a, b):
         assert a == b or (a != a and b != b)  # NaN == NaN here
 
 
+def assert_same_run(other, other_engine, sequential, seq_engine):
+    """Same metrics, per-client rows, server state, client states and bytes as the sequential run."""
+    assert metrics_of(other) == metrics_of(sequential)
+    assert other.client_rows == sequential.client_rows
+    assert_identical(other_engine.ctx.server, seq_engine.ctx.server)
+    for client_id in seq_engine.ctx.store:
+        assert_identical(other_engine.ctx.store[client_id], seq_engine.ctx.store[client_id])
+    assert (other_engine.ctx.comm_up, other_engine.ctx.comm_down) == (seq_engine.ctx.comm_up, seq_engine.ctx.comm_down)
+
+
 @pytest.mark.parametrize("name", builtin_algorithms())
 def test_process_pool_is_bit_identical_to_the_sequential_loop(name):
     sequential, seq_engine = run(name, {"name": "sequential"})
     pooled, pool_engine = run(name, {"name": "process", "workers": 2})
     assert pool_engine.executor_plan["name"] == "process"
-    assert metrics_of(pooled) == metrics_of(sequential)
-    assert pooled.client_rows == sequential.client_rows
-    assert_identical(pool_engine.ctx.server, seq_engine.ctx.server)
-    for client_id in seq_engine.ctx.store:
-        assert_identical(pool_engine.ctx.store[client_id], seq_engine.ctx.store[client_id])
-    assert (pool_engine.ctx.comm_up, pool_engine.ctx.comm_down) == (seq_engine.ctx.comm_up, seq_engine.ctx.comm_down)
+    assert_same_run(pooled, pool_engine, sequential, seq_engine)
 
 
 def test_worker_count_does_not_change_results():
@@ -118,17 +127,27 @@ def test_a_plugin_error_in_a_worker_reaches_the_server_as_itself(monkeypatch):
         run("fedavg", {"name": "process", "workers": 2})
 
 
-@pytest.mark.parametrize("cores, participants, samples, expected", [
-    (2, 100, 500, ("process", 2, 1)),      # a real round on 2 cores: the pool
-    (1, 100, 500, ("sequential", 1, 1)),   # one core: nothing to share
-    (2, 3, 500, ("sequential", 2, 1)),     # fewer than 2 participants per worker
-    (2, 4, 30, ("sequential", 2, 1)),      # too little work to pay for forking
+@pytest.mark.parametrize("cores, participants, work, expected", [
+    (2, 100, 3e9, ("process", 2, 1)),      # 100 LeNet-5 clients x 500 samples on 2 cores: the pool
+    (1, 100, 3e9, ("sequential", 1, 1)),   # one core: nothing to share
+    (2, 3, 3e9, ("sequential", 2, 1)),     # fewer than 2 participants per worker
+    (2, 20, 5e6, ("sequential", 2, 1)),    # the quickstart's logistic regression: too little work to fork for
 ])
-def test_auto_picks_the_pool_only_when_it_pays(monkeypatch, cores, participants, samples, expected):
+def test_auto_picks_the_pool_only_when_it_pays(monkeypatch, cores, participants, work, expected):
     monkeypatch.setattr(executors, "available_cores", lambda: cores)
-    assert executors.plan(ExecutorSection(), "cpu", participants, samples) == expected
-    assert executors.plan(ExecutorSection(), "cuda", participants, samples)[0] == "sequential"
+    assert executors.plan(ExecutorSection(), "cpu", participants, work) == expected
+    assert executors.plan(ExecutorSection(), "cuda", participants, work)[0] == "sequential"
     assert executors.plan(ExecutorSection(name="process", workers=3, threads=2), "cpu", 1, 1) == ("process", 3, 2)
+
+
+def test_auto_counts_the_models_parameters(monkeypatch):
+    """The same round with a 5000x wider model crosses the pool's threshold."""
+    monkeypatch.setattr(executors, "available_cores", lambda: 2)
+    narrow = Engine(resolve(tiny_raw(**{"model.params.hidden": [4]})), progress=False)
+    narrow.prepare()
+    wide = Engine(resolve(tiny_raw(**{"model.params.hidden": [20000]})), progress=False)
+    wide.prepare()
+    assert (narrow.executor_plan["name"], wide.executor_plan["name"]) == ("sequential", "process")
 
 
 def test_the_executor_actually_used_is_logged_as_resolved_params():
@@ -148,3 +167,120 @@ def test_bad_executor_settings_are_one_line_naming_the_key(tmp_path, capsys, key
     line = dry_run_error(tmp_path, capsys, tiny_raw(**{key: value}))
     assert line.startswith(f"{key}:") or f" {key}:" in line, line
     assert fragment in line
+
+
+# -- ray ------------------------------------------------------------------------------------
+# These start a local Ray with 2 CPUs once for the module (Ray's start-up takes seconds) and
+# skip, saying why, where Ray is not installed (it is an optional extra, not in CI's).
+
+def test_ray_missing_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(PflError) as info:
+        executors.make_executor("ray", workers=2)
+    assert str(info.value) == "executor.name: 'ray' needs Ray: pip install -e '.[ray]'"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (optional extra: pip install -e '.[ray]')")
+    executors.start_local_ray(2)  # as the executor starts it: quiet, this process's import folders
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("name", builtin_algorithms())
+def test_ray_is_bit_identical_to_the_sequential_loop(local_ray, name):
+    sequential, seq_engine = run(name, {"name": "sequential"})
+    on_ray, ray_engine = run(name, {"name": "ray"})
+    assert ray_engine.executor_plan["name"] == "ray"
+    assert_same_run(on_ray, ray_engine, sequential, seq_engine)
+
+
+def test_ray_puts_the_run_data_in_the_object_store_once_per_run(local_ray, monkeypatch):
+    shipped = []
+    put = local_ray.put
+
+    def counting_put(value, *args, **kwargs):
+        if isinstance(value, dict) and "data" in value:  # the run-constant part of the client view
+            shipped.append(value)
+        return put(value, *args, **kwargs)
+
+    monkeypatch.setattr(local_ray, "put", counting_put)
+    run("fedavg", {"name": "ray"}, rounds=3)  # 3 rounds of training and 3 evaluations
+    assert len(shipped) == 1
+    assert set(shipped[0]) == set(executors.RUN_CONSTANT)
+
+
+def client_pid(view, item):
+    return item, os.getpid()
+
+
+def test_ray_runs_client_work_in_workers_and_other_functions_here_in_order(local_ray):
+    _, engine = run("fedavg", {"name": "ray"}, rounds=1)
+    executor, view = engine.ctx.executor, engine.ctx.client_view()
+    remote = list(executor.map(functools.partial(client_pid, view), range(6)))
+    assert [item for item, _ in remote] == list(range(6))
+    assert all(pid != os.getpid() for _, pid in remote)
+    here = list(executor.map(lambda item: (item, os.getpid()), range(6)))  # e.g. COSMOS's server jobs
+    assert here == [(item, os.getpid()) for item in range(6)]
+
+
+def test_ray_retries_a_killed_worker_and_the_result_is_unchanged(local_ray, tmp_path, monkeypatch):
+    clean, _ = run("fedavg", {"name": "sequential"})
+    from pfl_core.defaults import CoreDefaults
+    monkeypatch.setattr(CoreDefaults, "local_train", kill_once(str(tmp_path / "died"), 2, 2))
+    retried, _ = run("fedavg", {"name": "ray", "retries": 1})
+    assert (tmp_path / "died").exists()  # the worker did die once
+    assert metrics_of(retried) == metrics_of(clean)
+
+
+def test_ray_worker_that_keeps_dying_stops_the_run_naming_client_and_round(local_ray, monkeypatch):
+    from pfl_core.defaults import CoreDefaults
+    original = CoreDefaults.local_train
+
+    def always_dies(self, ctx, client):
+        if client.id == 3 and client.round == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, ctx, client)
+
+    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(always_dies))
+    with pytest.raises(PflError) as info:
+        run("fedavg", {"name": "ray", "retries": 1})
+    message = str(info.value)
+    assert "client 3 in round 1" in message and "executor.retries = 1" in message
+
+
+def test_ray_plugin_error_reaches_the_server_as_itself(local_ray, monkeypatch):
+    from pfl_core.defaults import CoreDefaults
+
+    def broken(self, ctx, client):
+        raise ZeroDivisionError("plugin bug")
+
+    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(broken))
+    with pytest.raises(ZeroDivisionError, match="plugin bug"):
+        run("fedavg", {"name": "ray"})
+
+
+def pfl_run(tmp_path, *overrides):
+    """``pfl-run`` on the tiny spec in a fresh process (Ray connects once per process)."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(dump_toml(tiny_raw(**{"experiment.rounds": 1})))
+    args = [arg for override in overrides for arg in ("--set", override)]
+    return subprocess.run([sys.executable, "-c", "import sys; from pfl_core.cli import run_main; "
+                           "sys.exit(run_main(sys.argv[1:]))", str(spec), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_ray_unreachable_address_is_one_line_naming_the_key(local_ray, tmp_path):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = pfl_run(tmp_path, "executor.name=ray", f"executor.address=ray://127.0.0.1:{port}")
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "executor.address" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+
+
+def test_ray_joins_a_running_cluster_by_address_auto(local_ray, tmp_path):
+    done = pfl_run(tmp_path, "executor.name=ray", "executor.address=auto")
+    assert done.returncode == 0, done.stderr
