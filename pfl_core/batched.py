@@ -103,7 +103,6 @@ class Schedule:
 
     index: torch.Tensor  # [clients, steps, batch] long
     weight: torch.Tensor  # [clients, steps, batch] float: 1 a real sample, 0 padding
-    active: torch.Tensor  # [clients, steps] bool: the client still has this step to take
     steps: list[int]
     samples: list[int]
 
@@ -145,8 +144,7 @@ def schedule(clients: list, training) -> Schedule:
         for t, idx in enumerate(batches):
             index[c, t, :len(idx)] = idx
             weight[c, t, :len(idx)] = 1.0
-    active = torch.arange(most)[None, :] < torch.tensor(steps, dtype=torch.long)[:, None]
-    return Schedule(index, weight, active, steps, samples)
+    return Schedule(index, weight, steps, samples)
 
 
 def train_together(model: nn.Module, clients: list, starts: list[dict[str, torch.Tensor]],
@@ -161,11 +159,17 @@ def train_together(model: nn.Module, clients: list, starts: list[dict[str, torch
     device = next(model.parameters()).device
     names = [name for name, _ in model.named_parameters()]
     plan = schedule(clients, training)
-    inputs = torch.cat([c.data.train_x for c in clients]) if clients else None
+    # Longest first: at step t the clients still training are a prefix, the only ones computed.
+    order = sorted(range(len(clients)), key=lambda c: -plan.steps[c])
+    going = [sum(1 for c in order if plan.steps[c] > t) for t in range(max(plan.steps, default=0))]
+    index, weight = plan.index[order].to(device), plan.weight[order].to(device)
+    inputs = torch.cat([c.data.train_x for c in clients]) if clients else None  # index's positions
     labels = torch.cat([c.data.train_y for c in clients]) if clients else None
-    params = {n: torch.stack([s[n] for s in starts]) for n in names}
-    anchor = {n: torch.stack([a[n] for a in anchors]) for n in names} if mu is not None else {}
-    updates = {n: torch.tensor([n in t for t in trainable], device=device) for n in names}
+    params = {n: torch.stack([starts[c][n] for c in order]) for n in names}
+    anchor = {n: torch.stack([anchors[c][n] for c in order]) for n in names} if mu is not None else {}
+    # per client, whether it trains n: only for the parameters some client does not train
+    trains = {n: torch.tensor([n in trainable[c] for c in order], device=device)
+              for n in names if not all(n in t for t in trainable)}
     lr, momentum, decay = training.lr, training.momentum, training.weight_decay
     velocity = {n: torch.zeros_like(p) for n, p in params.items()} if momentum else {}
 
@@ -178,30 +182,32 @@ def train_together(model: nn.Module, clients: list, starts: list[dict[str, torch
         return loss, loss.detach()
 
     step = vmap(grad(loss_of, has_aux=True))
-    losses = torch.zeros(len(clients))
-    index, weight, active = plan.index.to(device), plan.weight.to(device), plan.active.to(device)
+    losses = torch.zeros(len(clients), device=device)  # read back once, at the end: no sync per step
     was_training = model.training
     model.train()
     try:
-        for t in range(index.shape[1] if clients else 0):
-            idx = index[:, t]
-            grads, loss = step(params, anchor, inputs[idx], labels[idx], weight[:, t])
-            going = active[:, t]
+        for t, k in enumerate(going):
+            idx = index[:k, t]
+            grads, loss = step({n: p[:k] for n, p in params.items()}, {n: a[:k] for n, a in anchor.items()},
+                               inputs[idx], labels[idx], weight[:k, t])
             with torch.no_grad():
-                for n in names:
-                    shape = (-1,) + (1,) * (params[n].dim() - 1)
-                    keep = (going & updates[n]).view(shape)
-                    g = grads[n]
+                for n in names:  # torch.optim.SGD's step (no dampening, no Nesterov), per client
+                    p, g = params[n][:k], grads[n]
                     if decay:
-                        g = g.add(params[n], alpha=decay)
+                        g = g.add(p, alpha=decay)
                     if momentum:
-                        velocity[n] = torch.where(keep, velocity[n].mul(momentum).add(g), velocity[n])
-                        g = velocity[n]
-                    params[n] = torch.where(keep, params[n].add(g, alpha=-lr), params[n])
-                losses += torch.where(going, loss, torch.zeros_like(loss)).cpu()
+                        g = velocity[n][:k].mul_(momentum).add_(g)
+                    if n in trains:  # where frozen (no gradient), SGD leaves it as it is
+                        keep = trains[n][:k].view((-1,) + (1,) * (p.dim() - 1))
+                        p.copy_(torch.where(keep, p.add(g, alpha=-lr), p))
+                    else:
+                        p.add_(g, alpha=-lr)
+                losses[:k] += loss
     finally:
         model.train(was_training)
-    return [Trained({n: params[n][c] for n in names}, losses[c], plan.steps[c], plan.samples[c])
+    losses = losses.cpu()
+    position = {c: i for i, c in enumerate(order)}
+    return [Trained({n: params[n][position[c]] for n in names}, losses[position[c]], plan.steps[c], plan.samples[c])
             for c in range(len(clients))]
 
 

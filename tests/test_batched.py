@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness import dry_run_error
+from harness import dry_run_error, fresh_model, prepared
+from pfl_core.batched import train_together
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from test_executors import assert_identical, metrics_of
@@ -84,6 +85,29 @@ def test_lenet5_on_images_matches_the_sequential_loop(tmp_path):
                                 "experiment.rounds": 2, "training.momentum": 0.5})
 
 
+def test_a_parameter_one_client_does_not_train_keeps_its_value_and_momentum():
+    """Client 1 trains without fc1.weight (requires_grad off, as a method's on_receive may
+    leave it); torch's SGD gives that parameter no update and no weight decay."""
+    _, ctx = prepared(**{"training.momentum": 0.9, "training.weight_decay": 0.01})
+    ctx.round = 1
+    clients = [ctx.client(i) for i in (0, 1, 2)]
+    start = ctx.models.initial_state("mlp")
+    names = [n for n, _ in ctx.models.working("mlp").named_parameters()]
+    trainable = [set(names), set(names) - {"fc1.weight"}, set(names)]
+    trained = train_together(ctx.models.working("mlp"), clients, [start] * 3, trainable, ctx.spec.training)
+    for client, keys, result in zip(clients, trainable, trained):
+        model = fresh_model(ctx, start)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in keys)
+        optimizer = torch.optim.SGD(model.parameters(), lr=ctx.spec.training.lr, momentum=0.9, weight_decay=0.01)
+        metrics = client.train(model=model, optimizer=optimizer)
+        for name, p in model.named_parameters():
+            assert torch.allclose(result.weights[name], p.detach(), rtol=0, atol=ATOL), (client.id, name)
+        assert result.loss_total.item() / result.steps == pytest.approx(metrics["train_loss"], rel=1e-5)
+    assert torch.equal(trained[1].weights["fc1.weight"], start["fc1.weight"])
+    assert not torch.equal(trained[0].weights["fc1.weight"], start["fc1.weight"])
+
+
 @pytest.mark.parametrize("name, extra, reason", [
     ("fedrep", {}, "local_train of fedrep"),  # its own training loop
     ("fedbn", {"model.params": {"hidden": [16], "norm": "batch"}}, "buffers"),
@@ -109,3 +133,10 @@ def test_batched_with_several_architectures_is_refused_at_executor_name(tmp_path
                                                       "model.clients": ["mlp", "mlp", "mlp", "cnn2"]}))
     assert "executor.name" in line and "model.clients" in line
     resolve(tiny_raw(**{"executor.name": "batched", "model.pool": ["mlp", "mlp"]}))  # one architecture: fine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, extra", [("fedavg", {}), ("fedprox", {"algorithm.params": {"mu": 0.5}})])
+def test_on_cuda_clients_trained_together_match_the_sequential_loop(name, extra):
+    # An MLP: cuDNN may run convolutions in TF32, which would blur the comparison.
+    assert_close_to_sequential({"algorithm.name": name, **UNEVEN, **extra, "executor.device": "cuda"})
