@@ -840,3 +840,19 @@ def test_resolved_spec_fills_the_defaults_of_every_plugin_table():
         assert table["params"] == full, name
         assert set(full) > set(given), name  # defaults the raw table did not set were filled in
         assert all(full[k] == v for k, v in given.items()), name
+
+
+def test_many_clients_get_the_partition_table_but_no_picture(figures, monkeypatch):
+    monkeypatch.setattr(Engine, "MAX_CLIENTS_DRAWN", 3)  # tiny has 4 clients
+    tracker = RecordingTracker()
+    Engine(resolve(tiny_raw(**{"experiment.rounds": 1})), tracker=tracker, progress=False).run()
+    assert "partition/partition_table.csv" in tracker.texts and "partition/indices.json" in tracker.texts
+    assert "partition/partition.png" not in tracker.figures
+    assert not [f for f in figures if f[0] == "partition"]
+
+
+def test_without_tracking_the_partition_is_not_even_tabulated(figures, monkeypatch):
+    from pfl_core.data.federated import FederatedData
+    monkeypatch.setattr(FederatedData, "partition_table", lambda self: pytest.fail("tabulated for nobody"))
+    Engine(resolve(tiny_raw(**{"experiment.rounds": 1})), progress=False).run()
+    assert not [f for f in figures if f[0] == "partition"]
