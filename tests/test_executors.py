@@ -225,6 +225,18 @@ def test_ray_runs_client_work_in_workers_and_other_functions_here_in_order(local
     assert here == [(item, os.getpid()) for item in range(6)]
 
 
+def test_ray_plugin_error_reaches_the_server_as_itself(local_ray, monkeypatch):
+    from pfl_core.defaults import CoreDefaults
+
+    def broken(self, ctx, client):
+        raise ZeroDivisionError("plugin bug")
+
+    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(broken))
+    with pytest.raises(ZeroDivisionError, match="plugin bug"):
+        run("fedavg", {"name": "ray"})
+
+
+# (after the other tests: the workers these kill take seconds to start again)
 def test_ray_retries_a_killed_worker_and_the_result_is_unchanged(local_ray, tmp_path, monkeypatch):
     clean, _ = run("fedavg", {"name": "sequential"})
     from pfl_core.defaults import CoreDefaults
@@ -248,17 +260,6 @@ def test_ray_worker_that_keeps_dying_stops_the_run_naming_client_and_round(local
         run("fedavg", {"name": "ray", "retries": 1})
     message = str(info.value)
     assert "client 3 in round 1" in message and "executor.retries = 1" in message
-
-
-def test_ray_plugin_error_reaches_the_server_as_itself(local_ray, monkeypatch):
-    from pfl_core.defaults import CoreDefaults
-
-    def broken(self, ctx, client):
-        raise ZeroDivisionError("plugin bug")
-
-    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(broken))
-    with pytest.raises(ZeroDivisionError, match="plugin bug"):
-        run("fedavg", {"name": "ray"})
 
 
 def pfl_run(tmp_path, *overrides):
