@@ -92,7 +92,21 @@ def _warm_up_torch() -> None:
         _warmed_up = True
 
 
-def _init_worker(threads: int) -> None:
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGKILL when the run's process dies (even by SIGKILL), instead of
+    waiting forever on a queue nobody writes to any more."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_worker(threads: int, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
@@ -159,7 +173,7 @@ class ProcessExecutor:
             _work_fn = fn  # inherited by the workers this pool forks (another map may run meanwhile)
             _running = context.Array("q", 2 * self.workers)
             return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                       initargs=(self.threads,))
+                                       initargs=(self.threads, os.getpid()))
 
         def fill():
             while len(pending) < window:

@@ -288,3 +288,31 @@ def test_ray_joins_a_running_cluster_by_its_address(local_ray, tmp_path):
     done = pfl_run(tmp_path, "executor.name=ray", f"executor.address={address}")
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == ""
+
+
+def test_workers_die_with_a_killed_run(tmp_path):
+    """SIGKILL on the run's process leaves no worker behind (they would wait forever)."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "sys.path[:0] = [%r, %r]\n"
+        "from pfl_core.executors import ProcessExecutor\n"
+        "def slow(i):\n"
+        "    print(os.getpid(), flush=True)\n"
+        "    time.sleep(60)\n"
+        "list(ProcessExecutor(2).map(slow, range(2)))\n" % (os.getcwd(), os.path.join(os.getcwd(), "tests")))
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(run.stdout.readline()) for _ in range(2)]
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and
+                                               "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+                                               for pid in workers):
+        time.sleep(0.1)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")
+             and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert alive == []
