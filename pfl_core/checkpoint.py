@@ -131,6 +131,33 @@ def _restored(value: Any, device: torch.device) -> Any:
     return value
 
 
+def series_columns(rows: list[dict] | None):
+    """``ctx.client_series`` (rows of round, client, name, value; one per client per round per
+    name, so it grows all run long) as four arrays and the names: encoding it row by row made
+    every checkpoint cost more than the last. Rows of another shape are kept as they are."""
+    if rows is None:
+        return None
+    if not all(type(r) is dict and list(r) == ["round", "client", "name", "value"] and type(r["round"]) is int
+               and type(r["client"]) is int and type(r["name"]) is str and type(r["value"]) is float for r in rows):
+        return _portable(rows)
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    index = {name: i for i, name in enumerate(names)}
+    return {"columns": {"round": np.array([r["round"] for r in rows], dtype=np.int64),
+                        "client": np.array([r["client"] for r in rows], dtype=np.int64),
+                        "name": np.array([index[r["name"]] for r in rows], dtype=np.int64),
+                        "value": np.array([r["value"] for r in rows], dtype=np.float64)},
+            "names": names}
+
+
+def series_rows(saved) -> list[dict]:
+    if isinstance(saved, list):
+        return list(saved)
+    columns, names = saved["columns"], saved["names"]
+    return [{"round": int(r), "client": int(c), "name": names[int(n)], "value": float(v)}
+            for r, c, n, v in zip(columns["round"].tolist(), columns["client"].tolist(), columns["name"].tolist(),
+                                  columns["value"].tolist())]
+
+
 def _sha256(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
@@ -294,8 +321,9 @@ class Checkpointer:
         if self.code is None:
             self.code = code_version(plugin_names(engine.spec))
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        version, internal, python_gauss = random.getstate()
         rng = {"torch": torch.get_rng_state(), "numpy": [kind, keys.astype(np.int64), pos, has_gauss, gauss],
-               "python": random.getstate()}
+               "python": [version, np.array(internal, dtype=np.int64), python_gauss]}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
@@ -308,7 +336,7 @@ class Checkpointer:
                          "work_public_epochs": ctx.work_public_epochs},
             "history": _portable(history),
             "rows": _portable(rows),
-            "client_series": _portable(getattr(ctx, "client_series", None)),
+            "client_series": series_columns(getattr(ctx, "client_series", None)),
             "resolved_values": _portable(ctx.resolved_values),
             "rng": rng,
             "run_id": engine.tracker.run_id,
@@ -322,10 +350,10 @@ class Checkpointer:
     def write(self, ctx, round: int, history: list[dict], rows: list[dict]) -> Path:
         """Write round ``round``'s checkpoint atomically, then delete the ones beyond ``keep``."""
         started = time.perf_counter()
-        self.folder.mkdir(parents=True, exist_ok=True)
         final = self.folder / f"round-{round:06d}"
         tmp = self.folder / f".round-{round:06d}.tmp-{os.getpid()}"
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
@@ -341,6 +369,11 @@ class Checkpointer:
             else:
                 tmp.rename(final)
             _fsync_dir(self.folder)
+        except (TypeError, OSError) as exc:  # a value stateio cannot hold, a full or read-only disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PflError(f"checkpoint of round {round} cannot be written to {self.folder}: "
+                           f"{' '.join(str(exc).split())[:200]}; fix checkpoint.dir, or set "
+                           f"checkpoint.enabled = false") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -452,7 +485,7 @@ def restore(ctx, loaded: Loaded) -> tuple[int, list[dict], list[dict]]:
     ctx.work_private_epochs = counters["work_private_epochs"]
     ctx.work_public_epochs = counters["work_public_epochs"]
     if state.get("client_series") is not None and hasattr(ctx, "client_series"):
-        ctx.client_series = list(state["client_series"])
+        ctx.client_series = series_rows(state["client_series"])
     ctx.resolved_values.update(state.get("resolved_values") or {})
     ctx.round = int(state["round"])
     rng = state["rng"]
@@ -460,7 +493,7 @@ def restore(ctx, loaded: Loaded) -> tuple[int, list[dict], list[dict]]:
     kind, keys, pos, has_gauss, gauss = rng["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, tuple(int(i) for i in internal), gauss))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return ctx.round, list(state["history"]), list(state["rows"])

@@ -25,6 +25,7 @@ import torch
 
 from pfl_core import stateio
 from pfl_core.checkpoint import CLIENTS_DIR, CLIENTS_FILE, RUN_FILE, checkpoints
+from pfl_core.checkpoint import code_version as real_code_version
 from pfl_core.cli import run_main
 from test_cli import write_spec
 from tiny import tiny_raw
@@ -42,6 +43,20 @@ METHODS = {  # one method of each kind the issue names
                   "algorithm.params.supervisor": "mlp",
                   "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": [4]}}},
 }
+
+
+@pytest.fixture(autouse=True)
+def same_code_all_along(monkeypatch):
+    """The code version, computed for real once and then kept: other work on the source tree
+    while these tests run must not make a resume refuse its checkpoint."""
+    monkeypatch.setattr("pfl_core.checkpoint.code_version", frozen_code_version)
+
+
+def frozen_code_version(names, _computed={}):
+    key = tuple(sorted(set(names)))
+    if key not in _computed:
+        _computed[key] = real_code_version(list(key))
+    return _computed[key]
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +277,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, capsy
     assert run_main(["--resume", str(copy)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no usable checkpoint" in err, err
+
+
+def test_the_code_version_hashes_the_source_of_the_plugins_the_spec_names():
+    fedavg = real_code_version(["fedavg"])
+    assert fedavg == real_code_version(["fedavg", "fedavg"])  # repeats aside, the same
+    assert fedavg["source_sha256"] != real_code_version(["ditto"])["source_sha256"]  # plugins/ is outside pfl_core
