@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import journal
 from .errors import PflError
 
 
@@ -48,6 +50,30 @@ GIT_TAGS = ("mlflow.source.git.commit", "mlflow.source.git.branch", "mlflow.sour
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 PARENT_TAG = "mlflow.parentRunId"
 MODEL_TRAINING = "custom_model_development"
+# MLflow 3's runs table shows no metric column by default. Its UI keeps a saved view of the
+# table in an experiment tag (the format its "share view" writes); pfl saves one with the key
+# metrics as columns, and the links it prints open it. A UI-internal format: if a later MLflow
+# ignores it, the link still opens the runs.
+KEY_METRICS = ("acc_mean", "acc_p10", "comm_up_bytes")
+KEY_METRICS_VIEW = "pfl-key-metrics"
+VIEW_TAG = f"mlflow.sharedViewState.{KEY_METRICS_VIEW}"
+# The UI remembers per browser whether it shows GenAI or model-training experiments and opens
+# a new browser on GenAI, whatever the experiment's kind tag says; this query switches it.
+RUNS_QUERY = "workflowType=machine_learning"
+
+
+def key_metrics_view() -> str:
+    columns = [f"metrics.`{name}`" for name in KEY_METRICS]
+    now = int(time.time() * 1000)
+    return json.dumps({"name": "pfl: key metrics", "createdAt": now, "updatedAt": now,
+                       "state": json.dumps({"selectedColumns": columns})})
+
+
+def runs_links(base: str, experiment_id: str) -> list[str]:
+    """The MLflow UI addresses of an experiment's runs: the chart view and the table with the
+    key metrics as columns."""
+    runs = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_QUERY}"
+    return [f"{runs}&compareRunsMode=CHART", f"{runs}&viewStateShareKey={KEY_METRICS_VIEW}"]
 
 
 @dataclass
@@ -249,6 +275,9 @@ class NullTracker:
     def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
         """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
 
+    def keep_journal_in(self, folder) -> None:
+        """The run's checkpoint folder (or None): where calls the store misses are kept."""
+
     def end(self, status: str = "FINISHED") -> None:
         pass
 
@@ -264,11 +293,21 @@ class MlflowTracker(NullTracker):
         # Quiet MLflow's start-up chatter (database migrations, run links) on stderr.
         for name in ("alembic", "mlflow"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # MLflow logs a store's database errors with a traceback; an outage is said in one line
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         self.mlflow = mlflow
         if uri:
             mlflow.set_tracking_uri(uri)
         self.study = study
         self.run_id = None
+        # Calls the store misses (it went away mid-run) go to a journal (pfl_core/journal.py),
+        # replayed at most every retry_seconds, at the end, on --resume or by `pfl replay`.
+        self.journal = None
+        self.journal_home: Path | None = None  # <checkpoint folder>/journal, once known
+        self.retry_seconds = float(os.environ.get("PFL_TRACKING_RETRY_SECONDS", "30"))
+        self.next_retry = 0.0
+        self.last_step: int | None = None
+        self.refusal_said = False
 
     def _set_experiment(self, name: str) -> None:
         """Select (create) the experiment; a new one is a model-training experiment (MLflow 3's
@@ -279,15 +318,22 @@ class MlflowTracker(NullTracker):
         if experiment is None:
             try:
                 client.create_experiment(name, artifact_location=artifact_root_for(mlflow.get_tracking_uri()),
-                                         tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+                                         tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING, VIEW_TAG: key_metrics_view()})
             except Exception:  # created meanwhile by another process: use that one
                 if client.get_experiment_by_name(name) is None:
                     raise
-        elif experiment.lifecycle_stage == "active" and EXPERIMENT_KIND_TAG not in experiment.tags:
-            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        elif experiment.lifecycle_stage == "active":
+            if EXPERIMENT_KIND_TAG not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+            if VIEW_TAG not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, VIEW_TAG, key_metrics_view())
         self.experiment_id = mlflow.set_experiment(name).experiment_id
 
     def start(self, experiment, run_name, params, tags):
+        with journal.short_http():
+            self._start(experiment, run_name, params, tags)
+
+    def _start(self, experiment, run_name, params, tags):
         mlflow = self.mlflow
         try:
             self._set_experiment(experiment)
@@ -311,10 +357,10 @@ class MlflowTracker(NullTracker):
             # the spec's: keep only those of the spec's directory.
             for key in GIT_TAGS:
                 if key not in self.study.git and key in run.data.tags:
-                    mlflow.delete_tag(key)
+                    self._log({"op": "delete_tag", "key": key})
         if "tracking.uri" in params:  # the store used (the spec's value may be "" or overridden)
             params = {**params, "tracking.uri": uri}
-        mlflow.log_params(dict(sorted(fit_params(params).items())))  # MLflow splits them into batches
+        self._log({"op": "params", "params": dict(sorted(fit_params(params).items()))})  # sent in batches
 
     def _unused_name(self, name: str) -> str:
         """``name``, or ``name-2``, ``name-3`` ... when top-level runs of the experiment already
@@ -337,9 +383,11 @@ class MlflowTracker(NullTracker):
         after its checkpoint and before it stopped, are not logged again (they are identical)."""
         mlflow = self.mlflow
         try:
-            run = mlflow.start_run(run_id=run_id)
-            client = mlflow.MlflowClient()
-            self.logged = {(key, m.step) for key in run.data.metrics for m in client.get_metric_history(run_id, key)}
+            with journal.short_http():
+                run = mlflow.start_run(run_id=run_id)
+                client = mlflow.MlflowClient()
+                self.logged = {(key, m.step) for key in run.data.metrics
+                               for m in client.get_metric_history(run_id, key)}
         except Exception as exc:
             raise PflError(f"--resume: MLflow run {run_id} cannot be continued at {mlflow.get_tracking_uri()}: "
                            f"{one_line(exc)}") from None
@@ -351,33 +399,139 @@ class MlflowTracker(NullTracker):
             metrics = {k: v for k, v in metrics.items() if (k, step) not in logged}
             if not metrics:
                 return
-        self.mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        self.last_step = step
+        self._log({"op": "metrics", "step": int(step), "timestamp": journal.now_ms(),
+                   "metrics": {k: float(v) for k, v in metrics.items()}})
 
     def log_text(self, text, filename):
-        self.mlflow.log_text(text, filename)
+        self._log({"op": "text", "text": text, "artifact_file": filename})
 
     def log_figure(self, figure, filename):
-        self.mlflow.log_figure(figure, filename)
+        self._log({"op": "figure", "figure": figure, "artifact_file": filename})
 
     def set_tag(self, key, value):
-        self.mlflow.set_tag(key, value)
+        self._log({"op": "tag", "key": key, "value": str(value)})
 
     def log_param(self, key, value):
-        self.mlflow.log_param(key, value)
+        self._log({"op": "params", "params": fit_params({key: str(value)})})
 
     def log_metrics_to(self, run_id, metrics):
         if run_id is None or not metrics:
             return
-        from mlflow.entities import Metric
-
-        client = self.mlflow.MlflowClient()
-        stamp = int(__import__("time").time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()])
+        self._log({"op": "metrics", "run_id": run_id, "step": 0, "timestamp": journal.now_ms(),
+                   "metrics": {k: float(v) for k, v in metrics.items()}})
 
     def end(self, status="FINISHED"):
-        if self.run_id is not None:
-            self.mlflow.end_run(status=status)
-            self.run_id = None
+        if self.run_id is None:
+            return
+        if self._journal_pending():  # one last replay before the status
+            self._replay()
+        end_time = journal.now_ms()
+        try:  # end_run takes the run off MLflow's stack of active runs first, then tells the store
+            with journal.short_http():
+                self.mlflow.end_run(status=status)
+        except Exception as exc:
+            if not journal.is_outage(exc):
+                raise
+            self._keep({"op": "end", "run_id": self.run_id, "status": status, "end_time": end_time}, exc)
+        else:
+            if self._journal_pending():  # the store came back between the replay and end_run
+                self._replay()
+        if self._journal_pending():
+            folder = self.journal.folder
+            journal.UNSENT.append(folder)
+            self._say(f"the tracking server {self._uri()} is still unreachable: what run {self.run_id} could "
+                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it when the server is "
+                      f"back with: pfl replay {shlex.quote(str(folder))}")
+        self.run_id = None
+
+    # -- the journal of calls the store missed ----------------------------------------------------
+
+    def keep_journal_in(self, folder) -> None:
+        """Keep the journal in ``<folder>/journal`` (the run's checkpoint folder). A journal
+        already there is a resumed run's earlier part: it is replayed now, its end status left
+        out (the run goes on), and its metrics are not logged again by the resumed rounds."""
+        if folder is None:
+            return
+        self.journal_home = Path(folder) / journal.CHECKPOINT_SUBFOLDER
+        earlier = journal.Journal(self.journal_home, self._uri())
+        if not earlier.pending():
+            return
+        run_id = self.run_id
+        self.logged = getattr(self, "logged", set()) | {
+            (key, r["step"]) for r in earlier.records() if r["op"] == "metrics" and r["run_id"] == run_id
+            for key in r["metrics"]}
+        self.journal = earlier
+        self._replay(keep=lambda r: not (r["op"] == "end" and r["run_id"] == run_id))
+
+    def _uri(self) -> str:
+        return self.mlflow.get_tracking_uri()
+
+    def _journal_pending(self) -> bool:
+        return self.journal is not None and self.journal.pending()
+
+    def _log(self, record: dict) -> None:
+        """Send one call to the store; while a journal holds calls (the store was away), the
+        journal is replayed first when a retry is due, and the call joins it if that fails."""
+        record.setdefault("run_id", self.run_id)
+        if self._journal_pending():
+            if time.monotonic() >= self.next_retry:
+                self._replay()
+            if self._journal_pending():
+                self.journal.add(record)
+                return
+        started = time.monotonic()
+        try:
+            with journal.short_http():
+                journal.send(self.mlflow.MlflowClient(), record)
+        except Exception as exc:
+            if not journal.is_outage(exc):
+                raise
+            self._keep(record, exc, time.monotonic() - started)
+
+    def _keep(self, record: dict, exc: BaseException, cost: float = 0.0) -> None:
+        """The store missed ``record``: into the journal (said once per run), next retry later."""
+        first = self.journal is None
+        if first:
+            home = self.journal_home or journal.fallback_folder(self._uri(), self.run_id or record["run_id"])
+            self.journal = journal.Journal(home, self._uri())
+        self.journal.add(record)
+        self._retry_later(cost)
+        if first:
+            if record["op"] == "metrics" and record["run_id"] == self.run_id:
+                when = f"at round {record['step']}"
+            elif self.last_step is not None:
+                when = f"after round {self.last_step}"
+            else:
+                when = "before the first round"
+            later = " or on --resume" if self.journal_home is not None else ""
+            self._say(f"tracking server {self._uri()} unreachable {when} ({journal.reason(exc)}): metrics kept in "
+                      f"{self.journal.folder}; they are replayed when it returns{later}")
+
+    def _retry_later(self, cost: float) -> None:
+        # A failed attempt that took long (a timeout, a locked SQLite file waits 20 s) is retried
+        # less often: at most a tenth of the time goes into retrying. 0: at every call, whatever
+        # it costs.
+        self.next_retry = time.monotonic() + (max(self.retry_seconds, 10 * cost) if self.retry_seconds else 0)
+
+    def _replay(self, keep=lambda record: True) -> None:
+        started = time.monotonic()
+        try:
+            with journal.short_http():
+                self.journal.replay(self.mlflow.MlflowClient(), keep)
+        except Exception as exc:
+            self._retry_later(time.monotonic() - started)
+            if not journal.is_outage(exc) and not self.refusal_said:  # kept; `pfl replay` names it
+                self.refusal_said = True
+                self._say(f"the tracking store {self._uri()} refuses a journaled call ({journal.reason(exc)}); "
+                          f"it stays in {self.journal.folder}")
+
+    @staticmethod
+    def _say(text: str) -> None:
+        """One line on stderr that does not break a progress bar."""
+        from tqdm import tqdm
+
+        tqdm.write(f"pfl: {text}", file=sys.stderr)
 
 
 def fit_params(params: dict[str, str]) -> dict[str, str]:
@@ -447,21 +601,14 @@ def check_store(section, uri_override: str | None = None) -> None:
 def _probe_server(uri: str) -> None:
     import mlflow
 
-    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(PROBE_TIMEOUT_S))
     try:
-        mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with journal.short_http(force={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                                       "MLFLOW_HTTP_REQUEST_TIMEOUT": str(PROBE_TIMEOUT_S)}):
+            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as exc:
         reason = _connection_reason(str(exc))
         raise PflError(f"the MLflow tracking server {uri} cannot be reached ({reason}); start it, fix "
                        f"tracking.uri / --tracking-uri, or run with --no-tracking") from None
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _connection_reason(text: str) -> str:
@@ -623,7 +770,8 @@ def experiment_location(spec) -> str | None:
     name = spec.tracking.experiment or spec.experiment.name
     uri = mlflow.get_tracking_uri()
     try:
-        experiment = mlflow.get_experiment_by_name(name) if name else None
+        with journal.short_http():  # a server gone at the end of the run: said at once, not in minutes
+            experiment = mlflow.get_experiment_by_name(name) if name else None
     except Exception:
         experiment = None
     if experiment is None:
@@ -631,7 +779,9 @@ def experiment_location(spec) -> str | None:
     id = experiment.experiment_id
     lines = [f"tracking: {uri}, experiment {experiment.name!r} (id {id})"]
     if uri.startswith(("http://", "https://")):
-        lines.append(f"  runs: {uri.rstrip('/')}/#/experiments/{id}")
+        charts, table = runs_links(uri, id)
     else:
-        lines.append(f"  view: mlflow ui --backend-store-uri {uri}   then open http://127.0.0.1:5000/#/experiments/{id}")
+        lines.append(f"  view: mlflow ui --backend-store-uri {uri}   then open")
+        charts, table = runs_links("http://127.0.0.1:5000", id)
+    lines += [f"  charts: {charts}", f"  table:  {table}"]
     return "\n".join(lines)

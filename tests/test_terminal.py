@@ -1,9 +1,11 @@
 """Terminal output: human-readable bytes, the tqdm progress bar, run k/n, where results are."""
 
 import io
+import json
 
 import sys
 
+import mlflow
 import pytest
 
 from pfl_core.spec import dump_toml
@@ -58,7 +60,14 @@ def test_sweep_shows_run_k_of_n_and_a_loading_line_and_ends_with_the_mlflow_loca
     assert "run 1/2 fedavg" in err and "run 2/2 local" in err and "loading synthetic" in err
     assert "== comparison" in out and "per-client results" not in out
     assert f"tracking: {uri}, experiment 'tiny' (id " in out
-    assert f"mlflow ui --backend-store-uri {uri}" in out and "http://127.0.0.1:5000/#/experiments/" in out
+    assert f"mlflow ui --backend-store-uri {uri}" in out
+    experiment = mlflow.get_experiment_by_name("tiny")
+    runs = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    assert f"charts: {runs}&compareRunsMode=CHART" in out  # a new browser would open GenAI without the query
+    assert f"table:  {runs}&viewStateShareKey=pfl-key-metrics" in out
+    view = json.loads(experiment.tags["mlflow.sharedViewState.pfl-key-metrics"])  # the view that link opens
+    assert json.loads(view["state"])["selectedColumns"] == ["metrics.`acc_mean`", "metrics.`acc_p10`",
+                                                             "metrics.`comm_up_bytes`"]
     local = next(line for line in out.splitlines() if line.lstrip().startswith("local "))
     assert "0 B" in local and "0.0000" not in local.split("±")[-1]  # bytes column: never 0.0000
 
