@@ -3,6 +3,8 @@ documents one); ``pfl docs``
 generates the built-in plugins' parameter reference.
 
 Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
+Exit code 3: the runs finished, but their MLflow tracking server was unreachable at the end;
+what it missed is in local journals (one line names each), sent by ``pfl replay JOURNAL``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Sequence
 from .errors import Interrupted, PflError
 
 EXIT_USAGE = 2
+EXIT_TRACKING_PENDING = 3  # finished; the tracking server missed some of it (kept in journals)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +67,9 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
         if clash:
             parser.error(f"--resume continues one run as it was started; it does not take {', '.join(clash)}")
     previous = _catch_signals()
+    from .journal import UNSENT
+
+    unsent_before = len(UNSENT)
     try:
         from .runner import resume_run, run_spec_file
 
@@ -92,7 +98,25 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     errors = [e for point in results for run in point.runs for e in run.errors]
     for error in errors:  # the runs finished and were logged; a late step did not
         print(f"{prog}: error: {error}", file=sys.stderr)
-    return 1 if errors else 0
+    if errors:
+        return 1
+    return _tracking_pending(prog, UNSENT[unsent_before:])
+
+
+def _tracking_pending(prog: str, journals: list) -> int:
+    """Exit 3 when runs of this call ended with their tracking server away (each said where its
+    journal is); with several, one command that sends them all."""
+    import shlex
+
+    from .journal import Journal
+
+    waiting = [str(f) for f in dict.fromkeys(journals) if Journal(f).pending()]
+    if not waiting:
+        return 0
+    if len(waiting) > 1:
+        print(f"{prog}: {len(waiting)} runs' tracking waits in local journals; when the server is back, send "
+              f"them all with: pfl replay {' '.join(shlex.quote(w) for w in waiting)}", file=sys.stderr)
+    return EXIT_TRACKING_PENDING
 
 
 def _stop(signum, frame):
@@ -246,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins.add_argument("name", nargs="?", metavar="NAME",
                          help="show this plugin's docstring, parameters (type, default, constraint) and hooks")
     sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
+    replay = sub.add_parser("replay", help="send what runs could not log while their MLflow tracking server "
+                                           "was away (their journals) to the server")
+    replay.add_argument("journals", nargs="+", metavar="JOURNAL",
+                        help="a journal folder, or a folder holding journals (a run's checkpoint folder, pfl-journal/)")
+    replay.add_argument("--tracking-uri", default=None,
+                        help="send to this MLflow store instead of the one the journal was written for")
     docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
                                        "write it into a file's generated region")
     target = docs.add_mutually_exclusive_group()
@@ -263,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plugins_main(args.name)
         if args.command == "docs":
             return docs_main(args.write, args.check)
+        if args.command == "replay":
+            from .journal import replay_main
+
+            return replay_main(args.journals, args.tracking_uri)
     except BrokenPipeError:  # `pfl plugins | head`
         sys.stderr.close()
         return 0

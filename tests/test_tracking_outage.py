@@ -1,0 +1,273 @@
+"""A tracking server that goes away mid-run (issue 12): the run goes on, what the server missed is
+kept in a local journal and replayed when it returns, at the end, on ``--resume`` or by
+``pfl replay``; every metric of every round ends in the store exactly once, as in the same run
+against a store that never went away, and the run's status is set.
+
+The server is MLflow's own tracking server application (``mlflow.server.app``, what ``mlflow
+server`` serves; a SQLite backend, artifacts served) run by werkzeug in a thread of this
+process: ``mlflow server`` takes 15-45 s to start on a busy two-core machine, this a few seconds
+once, and stopping it closes its listening socket (clients get "connection refused", as from a
+stopped server) while restarting it costs a bind. It answers HTTP/1.0 only, so no kept-alive
+connection outlives a stop. The runs are ``pfl-run`` (``cli.run_main``) in this process; the
+server is stopped and restarted as chosen rounds start (``Engine.run_round`` patched).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from pfl_core import engine as engine_module
+from pfl_core import journal
+from pfl_core.cli import EXIT_TRACKING_PENDING, main, run_main
+from pfl_core.errors import Interrupted
+from test_cli import write_spec
+from tiny import tiny_raw
+
+WALL_CLOCK = ("round_seconds", "eval_seconds")  # differ between any two runs
+ROUNDS = 5
+ARTIFACTS = {"resolved_spec.toml", "partition/partition_table.csv", "partition/partition.png",
+             "partition/indices.json", "results/clients.csv", "results/client_accuracy.png"}
+
+
+class Server:
+    """MLflow's tracking server on a free local port; ``stop()`` and ``start()`` at will."""
+
+    def __init__(self, folder: Path):
+        from mlflow.server import constants
+
+        self.db = folder / "server.db"
+        # how `mlflow server` configures its application (read when it first needs the store)
+        self.environment = {constants.BACKEND_STORE_URI_ENV_VAR: f"sqlite:///{self.db}",
+                            constants.ARTIFACT_ROOT_ENV_VAR: "mlflow-artifacts:/",
+                            constants.SERVE_ARTIFACTS_ENV_VAR: "true",
+                            constants.ARTIFACTS_DESTINATION_ENV_VAR: str(folder / "artifacts")}
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.http = None
+
+    def start(self) -> None:
+        from mlflow.server import app
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        class Handler(WSGIRequestHandler):
+            protocol_version = "HTTP/1.0"  # one request per connection: nothing survives stop()
+
+            def log_request(self, *args, **kwargs):
+                pass
+
+        self.http = make_server("127.0.0.1", self.port, app, threaded=True, request_handler=Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.http = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import requests
+
+    folder = tmp_path_factory.mktemp("server")
+    server = Server(folder)
+    patch = pytest.MonkeyPatch()
+    for name, value in server.environment.items():
+        patch.setenv(name, value)
+    server.start()
+    # The first request creates the store's tables (seconds): before any run, with time to do it.
+    requests.get(f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=300).raise_for_status()
+    shutil.copyfile(server.db, folder / "empty.db")  # an empty store for the reference run
+    server.empty_store = folder / "empty.db"
+    yield server
+    if server.http is not None:
+        server.stop()
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def retry_every_call(monkeypatch):
+    """Retry the journal at every call (30 s apart by default), so a return is seen next round."""
+    import mlflow
+
+    monkeypatch.setenv("PFL_TRACKING_RETRY_SECONDS", "0")
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+def spec(tmp_path: Path, name: str, **overrides) -> str:
+    raw = tiny_raw(**{"experiment.rounds": ROUNDS, "tracking.enabled": True, "tracking.progress": False,
+                      "tracking.experiment": name, "executor.name": "sequential",
+                      "checkpoint.dir": str(tmp_path / "checkpoints"), **overrides})
+    return write_spec(tmp_path, raw, f"{name}.toml")
+
+
+def at_rounds(monkeypatch, actions: dict):
+    """Call ``actions[r]()`` as round r starts, before it runs; returns the unpatched method."""
+    run_round = engine_module.Engine.run_round
+
+    def patched(self, ctx, round, *args, **kwargs):
+        if round in actions:
+            actions[round]()
+        return run_round(self, ctx, round, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "run_round", patched)
+    return run_round
+
+
+def experiment_run(db: Path, experiment: str) -> str:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        runs = con.execute("select r.run_uuid from runs r join experiments e on r.experiment_id = e.experiment_id "
+                           "where e.name = ?", (experiment,)).fetchall()
+    assert len(runs) == 1, runs
+    return runs[0][0]
+
+
+def metrics(db: Path, run_id: str) -> list[tuple[str, int, float]]:
+    """Every (key, step, value) of the run, wall-clock keys left out; a value logged twice is
+    there twice."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        rows = con.execute("select key, step, value from metrics where run_uuid = ?", (run_id,)).fetchall()
+    return sorted((k, s, v) for k, s, v in rows if k not in WALL_CLOCK)
+
+
+def status(db: Path, run_id: str) -> str:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return con.execute("select status from runs where run_uuid = ?", (run_id,)).fetchone()[0]
+
+
+def artifacts(uri: str, run_id: str) -> set[str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+
+    def walk(path=None):
+        out = set()
+        for item in client.list_artifacts(run_id, path):
+            out |= walk(item.path) if item.is_dir else {item.path}
+        return out
+
+    return walk()
+
+
+@pytest.fixture(scope="module")
+def reference(server, tmp_path_factory) -> list[tuple[str, int, float]]:
+    """The metrics of the same run logged to a store that never goes away."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    db = tmp_path / "reference.db"
+    shutil.copyfile(server.empty_store, db)
+    assert run_main([spec(tmp_path, "outage"), "--quiet", "--tracking-uri", f"sqlite:///{db}"]) == 0
+    logged = metrics(db, experiment_run(db, "outage"))
+    assert {step for _, step, _ in logged} == set(range(1, ROUNDS + 1))
+    return logged
+
+
+def test_a_server_that_goes_away_and_returns_loses_no_metric(server, reference, tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def journal_folders():
+        return sorted((tmp_path / "checkpoints").glob(f"*/{journal.CHECKPOINT_SUBFOLDER}"))
+
+    def restart():
+        seen["journal while away"] = journal_folders()
+        server.start()
+
+    at_rounds(monkeypatch, {2: server.stop, 4: restart,
+                            ROUNDS: lambda: seen.setdefault("journal after the return", journal_folders())})
+    code = run_main([spec(tmp_path, "outage"), "--quiet", "--tracking-uri", server.uri])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    run_id = experiment_run(server.db, "outage")
+    # the outage was journaled beside the checkpoints and said once, with the round
+    assert seen["journal while away"] == [tmp_path / "checkpoints" / run_id / "journal"]
+    assert err.count("unreachable") == 1 and "unreachable at round 2" in err, err
+    assert seen["journal after the return"] == [], "replayed when the server returned, not only at the end"
+    assert metrics(server.db, run_id) == reference  # every key, every step, once, same values
+    assert status(server.db, run_id) == "FINISHED"
+    assert not journal_folders()
+
+
+def test_a_server_that_never_returns_finishes_the_run_and_replay_fills_the_store(
+        server, reference, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no checkpoints: the journal goes to ./pfl-journal/<run id>
+    at_rounds(monkeypatch, {2: server.stop})
+    try:
+        code = run_main([spec(tmp_path, "gone", **{"checkpoint.enabled": False}), "--quiet",
+                         "--tracking-uri", server.uri])
+        err = capsys.readouterr().err
+        assert code == EXIT_TRACKING_PENDING, err
+        run_id = experiment_run(server.db, "gone")
+        command = re.findall(r"send it when the server is back with: (pfl replay \S+)$", err, re.M)
+        assert command == [f"pfl replay {tmp_path / 'pfl-journal' / run_id}"], err
+        # the run trained to the end; the store holds round 1 only, the rest waits in the journal
+        assert {step for _, step, _ in metrics(server.db, run_id)} == {1}
+        assert status(server.db, run_id) == "RUNNING"
+        # replaying while the server is still away keeps the journal and says so
+        assert main(command[0].split()[1:]) == 3
+        assert "unreachable" in capsys.readouterr().err
+    finally:
+        server.start()
+    assert main(command[0].split()[1:]) == 0
+    assert "removed" in capsys.readouterr().err
+    assert metrics(server.db, run_id) == reference
+    assert status(server.db, run_id) == "FINISHED"
+    assert artifacts(server.uri, run_id) >= ARTIFACTS
+    assert not (tmp_path / "pfl-journal").exists()
+
+
+def test_a_run_interrupted_while_the_server_is_away_is_replayed_on_resume(
+        server, reference, tmp_path, monkeypatch, capsys):
+    def interrupt():
+        raise Interrupted(15)  # as SIGTERM: the completed round 2 is checkpointed, the run KILLED
+
+    run_round = at_rounds(monkeypatch, {2: server.stop, 3: interrupt})
+    try:
+        code = run_main([spec(tmp_path, "resumed"), "--quiet", "--tracking-uri", server.uri])
+        err = capsys.readouterr().err
+        assert code == 128 + 15, err
+    finally:
+        server.start()
+    run_id = experiment_run(server.db, "resumed")
+    folder = tmp_path / "checkpoints" / run_id
+    assert journal.Journal(folder / "journal").pending()  # round 2 and the KILLED status wait there
+    assert {step for _, step, _ in metrics(server.db, run_id)} == {1}
+    monkeypatch.setattr(engine_module.Engine, "run_round", run_round)  # rounds run as usual again
+    assert run_main(["--resume", str(folder), "--quiet"]) == 0, capsys.readouterr().err
+    # round 2 from the journal, rounds 3-5 from the resumed run, none twice; the journal's
+    # KILLED was not applied over the resumed run's end
+    assert metrics(server.db, run_id) == reference
+    assert status(server.db, run_id) == "FINISHED"
+    assert not (folder / "journal").exists()
+
+
+def test_replaying_a_journal_twice_stores_each_metric_once(server, tmp_path):
+    """A call the store applied but whose answer was lost is journaled too; replayed, it must
+    not be stored again: records keep the timestamp of their first attempt."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server.uri)
+    experiment = client.create_experiment("twice")
+    run_id = client.create_run(experiment).info.run_id
+    first = journal.Journal(tmp_path / "first", server.uri)
+    for step in (1, 2):
+        first.add({"op": "metrics", "run_id": run_id, "step": step, "timestamp": journal.now_ms(),
+                   "metrics": {"acc_mean": step / 10, "loss_mean": float(step)}})
+    first.add({"op": "text", "run_id": run_id, "text": "a,b\n", "artifact_file": "results/x.csv"})
+    first.add({"op": "end", "run_id": run_id, "status": "FINISHED", "end_time": journal.now_ms()})
+    second = journal.Journal(tmp_path / "second")
+    shutil.copytree(first.folder, second.folder)
+    assert first.replay(client) == 4 and not first.folder.exists()
+    assert second.replay(client) == 4  # the two metrics records went as one batch, counted as two
+    assert metrics(server.db, run_id) == [("acc_mean", 1, 0.1), ("acc_mean", 2, 0.2),
+                                          ("loss_mean", 1, 1.0), ("loss_mean", 2, 2.0)]
+    assert status(server.db, run_id) == "FINISHED"
+    assert artifacts(server.uri, run_id) == {"results/x.csv"}
