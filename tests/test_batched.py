@@ -108,6 +108,30 @@ def test_a_parameter_one_client_does_not_train_keeps_its_value_and_momentum():
     assert not torch.equal(trained[0].weights["fc1.weight"], start["fc1.weight"])
 
 
+@pytest.mark.parametrize("name", ["local", "fedavg"])
+def test_a_diverged_client_is_skipped_and_restored_as_in_the_sequential_loop(name):
+    """training.on_nonfinite = "skip_client": client 1's data holds a NaN, so its loss is
+    NaN; it is left out of the aggregate and its state is what it was before the round."""
+    runs = {}
+    for executor in ("sequential", "batched"):
+        engine, ctx = prepared(**{"algorithm.name": name, "executor.name": executor,
+                                  "training.on_nonfinite": "skip_client"})
+        ctx.data.clients[1].train_x[0, 0] = float("nan")
+        skipped = []
+        for round in (1, 2):
+            ctx.round_metrics = {}
+            engine.run_round(ctx, round)
+            skipped.append(ctx.round_metrics["skipped_clients"])
+        runs[executor] = (engine, skipped)
+    (seq, seq_skipped), (bat, bat_skipped) = runs["sequential"], runs["batched"]
+    assert seq_skipped == bat_skipped == [1.0, 1.0]
+    assert "weights" not in bat.ctx.store[1]  # restored: Local's client 1 never kept weights
+    a, b = weights_of(seq), weights_of(bat)
+    assert a and a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=0, atol=ATOL), key
+
+
 @pytest.mark.parametrize("name, extra, reason", [
     ("fedrep", {}, "local_train of fedrep"),  # its own training loop
     ("fedbn", {"model.params": {"hidden": [16], "norm": "batch"}}, "buffers"),
