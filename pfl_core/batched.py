@@ -5,9 +5,11 @@ parameters are stacked along a leading client dimension and every step is one
 ``torch.func.vmap`` over ``torch.func.grad`` of ``torch.func.functional_call``, each client with
 its own mini-batch (drawn in the order its ``client.generator("train")`` gives, as the
 sequential loop draws it) and its own SGD update (momentum and weight decay as
-``torch.optim.SGD`` computes them). Clients with fewer steps (fewer samples, or a straggler's
-batch budget) stop updating once their steps are done; a short last batch is padded and its
-padding weighted 0.
+``torch.optim.SGD`` computes them). Clients are sorted by their number of steps (samples,
+epochs, a straggler's batch budget), so step t computes only the clients still training; a
+short last batch is padded and its padding weighted 0. The round's participants' training
+data is joined once per round and all their parameters are held at once: memory grows with
+the participants per round.
 
 Only the standard client side is trained this way; :func:`why_not_batched` decides, per round:
 
@@ -25,7 +27,8 @@ every participant first, then the training of all of them together, then, one cl
 time as the aggregate asks for them, the trained weights are put in the working model, the
 method's ``local_train`` runs with ``client.train()`` answering from the joint training, and
 the upload is made (:func:`engine.run_client`, so the server's bookkeeping is the sequential
-executor's). Results equal the sequential loop's up to float rounding (vectorised matrix
+executor's). Receiving before anyone trains is only the sequential loop's order when
+``on_receive`` loads every weight the client starts from, as the methods above do. Results equal the sequential loop's up to float rounding (vectorised matrix
 products sum in another order): the tests compare final weights within 1e-5.
 """
 
