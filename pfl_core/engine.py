@@ -147,7 +147,7 @@ class Engine:
         work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
         name, workers, threads = executors.plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
-        self.executor_plan = {"name": name, "workers": workers if name != "sequential" else 1, "threads": threads}
+        self.executor_plan = {"name": name, "workers": workers if name in ("process", "ray") else 1, "threads": threads}
         return executors.make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
 
     # -- one round --------------------------------------------------------------------
