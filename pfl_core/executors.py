@@ -310,17 +310,18 @@ class RayExecutor:
         self.threads = threads
         self.retries = retries
         self.address = address
-        self.started_ray = False
         if not ray.is_initialized():
             self._connect(workers)
-        self.slots = max(1, int(ray.cluster_resources().get("CPU", workers)))
+        self.slots = int(ray.cluster_resources().get("CPU", 0))
+        if self.slots < 1:  # every task asks for one CPU: none would ever start
+            raise SpecError("executor.address", f"the Ray cluster at {address or 'this machine'!r} has no CPUs "
+                                                f"for tasks; start a node with CPUs (ray start --num-cpus=N)")
         self._remote = ray.remote(_ray_run).options(num_cpus=1, max_retries=retries, retry_exceptions=False)
         self._runtime = None  # (the objects shipped, their object ref): one per run
 
     def _connect(self, workers: int) -> None:
         if not self.address:
             start_local_ray(workers)
-            self.started_ray = True
             return
         _check_reachable(self.address)
         _join_cluster(self.ray, self.address)
@@ -334,6 +335,9 @@ class RayExecutor:
             return None
         view = fn.args[0]
         ray = self.ray
+        if view.device.type != "cpu":  # Ray tasks here ask for CPUs only: Ray hides the GPUs from them
+            raise PflError(f"executor.device: '{view.device.type}' with executor.name = 'ray' is not supported; "
+                           f"use 'sequential' or 'batched' on a GPU")
         constant = {name: getattr(view, name) for name in RUN_CONSTANT}
         if self._runtime is None or any(self._runtime[0][n] is not v for n, v in constant.items()):
             try:
@@ -427,14 +431,17 @@ def _join_cluster(ray, address: str, seconds: float = CONNECT_SECONDS) -> None:
     does not answer makes Ray's C++ client log a line per second to this process's stderr
     while it retries, and that process can be stopped. Then this process connects (in a
     daemon thread, left behind if it still hangs: the run stops here anyway)."""
-    def failed(why: str) -> SpecError:
-        return SpecError("executor.address", f"cannot connect to Ray at {address!r}: {why}; is the cluster "
-                                             f"running (ray start --head) and its port open from here?")
+    def failed(why: str, hint: str = "; is the cluster running (ray start --head) and its port open from here?"):
+        return SpecError("executor.address", f"cannot connect to Ray at {address!r}: {why}{hint}")
 
     try:
         probe = subprocess.run([sys.executable, "-c", _PROBE, address], capture_output=True, text=True,
                                timeout=seconds)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        if "InvalidAuthToken" in said or "Unauthenticated" in said:
+            raise failed("the cluster asks for its authentication token: set RAY_AUTH_MODE=token here, and "
+                         "RAY_AUTH_TOKEN to the head node's (its ~/.ray/auth_token)", hint="") from None
         raise failed(f"no Ray cluster answered within {seconds:.0f} s") from None
     if probe.returncode != 0:
         lines = [line for line in probe.stderr.splitlines() if line.strip()]
