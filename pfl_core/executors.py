@@ -405,7 +405,7 @@ _QUIET = dict(log_to_driver=False, logging_level=logging.ERROR, configure_loggin
 
 
 def start_local_ray(cpus: int) -> None:
-    """Start Ray on this machine with ``cpus`` CPUs, quietly (no dashboard, no worker logs).
+    """Start a new Ray on this machine with ``cpus`` CPUs, quietly (no dashboard, no worker logs).
     Its workers get this process's own import folders (the working directory, a plugin's
     folder on ``sys.path``): they unpickle functions by module name, as this process would."""
     import ray
@@ -415,7 +415,9 @@ def start_local_ray(cpus: int) -> None:
     own = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     own = [p for p in own if not any(os.path.realpath(p).startswith(prefix) for prefix in installed)]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(own))} if own else {}
-    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env} if env else None, **_QUIET)
+    # "local": a new Ray of its own, never one found running on this machine (ray.init's default)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+             runtime_env={"env_vars": env} if env else None, **_QUIET)
 
 
 CONNECT_SECONDS = 12.0  # ray.init's own retries take 35 s or more before giving up
