@@ -440,7 +440,7 @@ class MlflowTracker(NullTracker):
         if self._journal_pending():
             folder = self.journal.folder
             journal.UNSENT.append(folder)
-            self._say(f"the tracking server {self._uri()} is still unreachable: what run {self.run_id} could "
+            self._say(f"the {self._store()} is still unreachable: what run {self.run_id} could "
                       f"not log (metrics, artifacts, its status) is kept in {folder}; send it when the server is "
                       f"back with: pfl replay {shlex.quote(str(folder))}")
         self.run_id = None
@@ -466,6 +466,10 @@ class MlflowTracker(NullTracker):
 
     def _uri(self) -> str:
         return self.mlflow.get_tracking_uri()
+
+    def _store(self) -> str:
+        uri = self._uri()
+        return f"tracking server {uri}" if uri.startswith(("http://", "https://")) else f"tracking store {uri}"
 
     def _journal_pending(self) -> bool:
         return self.journal is not None and self.journal.pending()
@@ -504,8 +508,14 @@ class MlflowTracker(NullTracker):
                 when = f"after round {self.last_step}"
             else:
                 when = "before the first round"
+            if self.run_id is None:  # logging to runs that ended (a sweep's gains): no end() to try again
+                journal.UNSENT.append(self.journal.folder)
+                self._say(f"{self._store()} unreachable ({journal.reason(exc)}): metrics of run "
+                          f"{record['run_id']} kept in {self.journal.folder}; send them when the server is back "
+                          f"with: pfl replay {shlex.quote(str(self.journal.folder))}")
+                return
             later = " or on --resume" if self.journal_home is not None else ""
-            self._say(f"tracking server {self._uri()} unreachable {when} ({journal.reason(exc)}): metrics kept in "
+            self._say(f"{self._store()} unreachable {when} ({journal.reason(exc)}): metrics kept in "
                       f"{self.journal.folder}; they are replayed when it returns{later}")
 
     def _retry_later(self, cost: float) -> None:
