@@ -14,7 +14,6 @@ server is stopped and restarted as chosen rounds start (``Engine.run_round`` pat
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import socket
@@ -26,8 +25,8 @@ import pytest
 
 from pfl_core import engine as engine_module
 from pfl_core import journal
+from pfl_core.checkpoint import checkpoints
 from pfl_core.cli import EXIT_TRACKING_PENDING, main, run_main
-from pfl_core.errors import Interrupted
 from test_cli import write_spec
 from tiny import tiny_raw
 
@@ -224,26 +223,31 @@ def test_a_server_that_never_returns_finishes_the_run_and_replay_fills_the_store
     assert not (tmp_path / "pfl-journal").exists()
 
 
-def test_a_run_interrupted_while_the_server_is_away_is_replayed_on_resume(
+def test_a_run_that_crashes_while_the_server_is_away_is_replayed_on_resume(
         server, reference, tmp_path, monkeypatch, capsys):
-    def interrupt():
-        raise Interrupted(15)  # as SIGTERM: the completed round 2 is checkpointed, the run KILLED
+    def crash():
+        raise RuntimeError("simulated crash")  # no checkpoint written on the way out: the last is round 2
 
-    run_round = at_rounds(monkeypatch, {2: server.stop, 3: interrupt})
+    run_round = at_rounds(monkeypatch, {2: server.stop, 4: crash})
     try:
-        code = run_main([spec(tmp_path, "resumed"), "--quiet", "--tracking-uri", server.uri])
+        code = run_main([spec(tmp_path, "resumed", **{"checkpoint.every": 2}), "--quiet",
+                         "--tracking-uri", server.uri])
         err = capsys.readouterr().err
-        assert code == 128 + 15, err
+        assert code == 1 and "simulated crash" in err, err
     finally:
         server.start()
     run_id = experiment_run(server.db, "resumed")
     folder = tmp_path / "checkpoints" / run_id
-    assert journal.Journal(folder / "journal").pending()  # round 2 and the KILLED status wait there
+    assert [p.name for p in checkpoints(folder)] == ["round-000002"]
+    # rounds 2 and 3 and the FAILED status wait in the journal
     assert {step for _, step, _ in metrics(server.db, run_id)} == {1}
     monkeypatch.setattr(engine_module.Engine, "run_round", run_round)  # rounds run as usual again
+    during = {}
+    at_rounds(monkeypatch, {4: lambda: during.setdefault("status", status(server.db, run_id))})
     assert run_main(["--resume", str(folder), "--quiet"]) == 0, capsys.readouterr().err
-    # round 2 from the journal, rounds 3-5 from the resumed run, none twice; the journal's
-    # KILLED was not applied over the resumed run's end
+    assert during["status"] == "RUNNING"  # the journal's FAILED was not applied to the resumed run
+    # rounds 2-3 from the journal, rounds 4-5 from the resumed run; round 3, run again from the
+    # round-2 checkpoint, is not logged a second time
     assert metrics(server.db, run_id) == reference
     assert status(server.db, run_id) == "FINISHED"
     assert not (folder / "journal").exists()
