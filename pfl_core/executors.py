@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -191,10 +192,9 @@ class ProcessExecutor:
                 try:
                     result = pickle.loads(future.result())
                 except BrokenProcessPool:
-                    dead = self._dead_item(pool)
+                    dead, code = self._casualty(pool)
                     culprit = next(((i, it) for i, it, _ in pending if i == dead), (index, item))
                     failures[culprit[0]] += 1
-                    code = self._dead_code(pool)
                     if failures[culprit[0]] > self.retries:
                         raise PflError(f"executor: a worker process {_death(code)} while running {culprit[1]}; "
                                        f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
@@ -213,21 +213,22 @@ class ProcessExecutor:
                 pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
-    def _dead_code(pool) -> int | None:
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            if process.exitcode not in (None, 0):
-                return process.exitcode
-        return None
+    def _casualty(pool, wait: float = 3.0) -> tuple[int | None, int | None]:
+        """(index of the item the dead worker ran, its exit code), from the shared slot array.
 
-    @staticmethod
-    def _dead_item(pool) -> int | None:
-        """The index of the item a dead worker was running, from the shared slot array."""
-        processes = getattr(pool, "_processes", None) or {}
-        dead = {pid for pid, p in processes.items() if p.exitcode not in (None, 0)}
+        A broken pool SIGTERMs its other workers, so the first to die is the one whose exit
+        code is not SIGTERM's; the exit codes are polled for a moment, as the pool's manager
+        thread may not have reaped the processes yet."""
+        processes = dict(getattr(pool, "_processes", None) or {})
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(p.exitcode is None for p in processes.values()):
+            time.sleep(0.02)
+        codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
+        first = {pid: c for pid, c in codes.items() if c != -signal.SIGTERM} or codes
         for slot in range(len(_running) // 2):
-            if _running[2 * slot] in dead:
-                return int(_running[2 * slot + 1])
-        return None
+            if _running[2 * slot] in first:
+                return int(_running[2 * slot + 1]), first[_running[2 * slot]]
+        return None, next(iter(first.values()), None)
 
     def close(self) -> None:
         pass
