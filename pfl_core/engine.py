@@ -123,13 +123,16 @@ class Engine:
         spec = self.spec
         torch.set_flush_denormal(True)  # denormals slowed small CNNs 4-6x on CPU
         device = pick_device(spec.executor.device)
+        # A named executor is set up before the data loads: a Ray cluster that cannot be
+        # reached is reported at once, not after minutes of loading.
+        executor = self._make_executor(device) if spec.executor.name != "auto" else None
         status_line(f"{self.progress_label}: loading {spec.data.name} and partitioning it "
                     f"({spec.partition.scheme}, {spec.partition.num_clients} clients) ...", self.show_progress)
         data = build_federated_data(spec, device=device)
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
-                         self._make_executor(data, models, device), device)
+                         executor or self._make_executor(device, data, models), device)
         ctx.tracker = self.tracker
         held_out = spec.experiment.coldstart_clients
         if held_out:
@@ -138,13 +141,16 @@ class Engine:
             ctx.training_clients = [i for i in range(ctx.num_clients) if i not in ctx.coldstart_clients]
         return ctx
 
-    def _make_executor(self, data, models: ModelBank, device: torch.device):
-        """The spec's executor, ``auto`` resolved for this machine and this run's round size."""
+    def _make_executor(self, device: torch.device, data=None, models: ModelBank | None = None):
+        """The spec's executor; ``auto`` resolved for this machine and this run's round size
+        (which needs the data and the models)."""
         spec = self.spec
-        per_round = max(1, round(spec.experiment.participation * len(data.clients)))
-        mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
-        parameters = sum(t.numel() for t in models.initial_state(models.arch_of(0)).values())
-        work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
+        per_round, work = 0, 0.0
+        if data is not None:
+            per_round = max(1, round(spec.experiment.participation * len(data.clients)))
+            mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
+            parameters = sum(t.numel() for t in models.initial_state(models.arch_of(0)).values())
+            work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
         name, workers, threads = executors.plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name in ("process", "ray") else 1, "threads": threads}
@@ -269,6 +275,7 @@ class Engine:
             raise
         finally:
             ctx.store.close()  # removes the spill folder; states in memory stay readable
+            ctx.executor.close()  # e.g. frees the run's data in Ray's object store
             self.tracker.end(status)
 
     def _run(self, ctx: RunContext) -> RunResult:
