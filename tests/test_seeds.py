@@ -95,7 +95,7 @@ def test_bad_seeds_are_one_line_naming_the_key(tmp_path, capsys, value, message)
 def test_dry_run_shows_the_seeds(tmp_path, capsys):
     code, out, _ = run_cli(capsys, write_spec(tmp_path, tiny_raw()), "--set", "experiment.seeds=[3,1]", "--dry-run")
     assert code == 0
-    assert "seeds = [3, 1]" in out and "# seeds: 3, 1 (2 runs" in out
+    assert "seeds = [\n    3,\n    1,\n]" in out and "# seeds: 3, 1 (2 runs" in out  # tomli-w: one item a line
 
 
 def test_compare_to_must_name_a_run(tmp_path, capsys):
