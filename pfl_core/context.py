@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -66,6 +67,7 @@ class ModelBank:
         self._initial: dict[str, dict[str, torch.Tensor]] = {}
         self._working: dict[str, nn.Module] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._sized: set[str] = set()  # architectures whose size _check_size has checked
         self._paths: dict[str, str] = {}  # the spec key that first named each architecture
         for i, arch in enumerate(self.client_archs):
             self._paths.setdefault(arch, f"{path}[{i}]" if path != "model.name" else path)
@@ -102,6 +104,9 @@ class ModelBank:
 
     def _construct(self, arch: str, path: str = "model.name") -> nn.Module:
         plugin = self.plugin(arch, path)
+        if arch not in self._sized:
+            self._check_size(arch, plugin)
+            self._sized.add(arch)
         try:
             return plugin.build(self.input_shape, self.num_classes).to(self.device)
         except (MemoryError, RuntimeError, TypeError, OverflowError) as exc:  # e.g. hidden = [1000000000]
@@ -115,6 +120,26 @@ class ModelBank:
             raise SpecError(getattr(plugin, "params_path", "model.params"),
                             f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
                             f"inputs {self.input_shape} ({detail})") from None
+
+    def _check_size(self, arch: str, plugin) -> None:
+        """Build on torch's meta device first (nothing allocated, no random draws kept): a model
+        larger than this machine's memory is refused at once, not after minutes of initialising
+        the part of it that fits (cnn4 with width = 1000000)."""
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                module = plugin.build(self.input_shape, self.num_classes)
+        except Exception:  # noqa: BLE001 - a model that cannot be built on meta: the real build says why
+            return
+        size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # not on this platform
+            return
+        if size > memory:
+            raise SpecError(getattr(plugin, "params_path", "model.params"),
+                            f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
+                            f"inputs {self.input_shape} (its weights need {size / 2**30:.1f} GiB, more than this "
+                            f"machine's {memory / 2**30:.1f} GiB of memory)")
 
     def initial_state(self, arch: str) -> dict[str, torch.Tensor]:
         if arch not in self._initial:

@@ -370,3 +370,14 @@ def test_a_model_whose_size_overflows_64_bits(tmp_path, capsys):
 def test_synthetic_data_beyond_float_range(tmp_path, capsys, key, value):
     # beta = 1e300 gave infinite float32 features and NaN losses, with a clean dry run.
     expect_error(capsys, [write_spec(tmp_path, tiny_raw(**{key: value}))], key, "1e+300")
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "pmixfed", "fedbn"])  # pmixfed, fedbn: probe the layers first
+def test_a_model_larger_than_memory_is_refused_before_allocating(tmp_path, capsys, algorithm):
+    # width = 1e6: 2.4 billion weights in conv1 alone were allocated and initialised (about a
+    # minute and 10 GB) before the next layer failed to allocate.
+    raw = tiny_raw(**{"model.name": "cnn4", "model.params": {"width": 1e6, "norm": "batch"}, "data.name": "npz",
+                      "data.params": {"path": str(tmp_path / "images.npz")}, "partition.scheme": "iid",
+                      "algorithm.name": algorithm})
+    np.savez(tmp_path / "images.npz", x_train=np.zeros((40, 8, 8, 3), np.uint8), y_train=np.arange(40) % 2)
+    expect_error(capsys, [write_spec(tmp_path, raw)], "model.params", "too large to build", "GiB, more than this")

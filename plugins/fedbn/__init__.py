@@ -58,7 +58,9 @@ def probe_model(spec, arch: str):
     from pfl_core.context import ModelBank
 
     plugin = ModelBank(spec, input_shape=(), num_classes=0, device=torch.device("cpu")).plugin(arch)
-    with torch.random.fork_rng(devices=[]):
+    # On torch's meta device: the structure only, nothing allocated or initialised (a huge
+    # width spent a minute filling gigabytes here before the real build refused it).
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         for shape in _PROBE_SHAPES:
             try:
                 return plugin.build(shape, 10)
