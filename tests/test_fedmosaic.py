@@ -418,9 +418,22 @@ def test_lambda_is_logged_per_client_every_round_and_plotted_at_the_end():
         assert 0 <= tracker.metrics[r]["consensus_acc"] <= 1
     assert "fedmosaic/lambda_by_round.png" in tracker.figures
     assert tracker.texts["fedmosaic/lambda_by_round.csv"].count("\n") == 1 + 4 * 2
-    final = tracker.metrics[3]  # on_finish's metrics, logged at the last step
-    for i in range(4):
-        assert final[f"lambda_mean/{i}"] == pytest.approx((lambdas[3, i] + lambdas[2, i]) / 2)
+    assert not [key for key in tracker.metrics[3] if "/" in key]  # no metric per client
+
+
+def test_corrupted_clients_sum_lambda_up_per_group():
+    """corrupted_clients' final metrics: each group's mean of its clients' mean lambdas."""
+    tracker = Recorder()
+    raw = tiny_raw(**mosaic(), **{"experiment.rounds": 3})
+    raw["addons"] = [{"name": "corrupted_clients", "params": {"clients": [1]}}]
+    engine = Engine(resolve(raw), tracker=tracker, progress=False)
+    engine.run()
+    lambdas = {(row["round"], row["client"]): row["value"] for row in engine.ctx.client_series
+               if row["name"] == "lambda"}
+    mean_of = {i: (lambdas[2, i] + lambdas[3, i]) / 2 for i in range(4)}
+    final = tracker.metrics[3]
+    assert final["lambda_corrupted_mean"] == pytest.approx(mean_of[1])
+    assert final["lambda_clean_mean"] == pytest.approx((mean_of[0] + mean_of[2] + mean_of[3]) / 3)
 
 
 def test_round_mode_lambda_comes_from_the_full_set_losses_before_training():

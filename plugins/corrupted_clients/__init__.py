@@ -9,6 +9,11 @@ flipped before any plugin's own set-up reads them (label histograms, class frequ
 - ``splits``: which of the client's splits are flipped. The default flips all three: the
   client's own distribution is flipped, so its test split measures how well it fits its own
   (corrupted) task, as in the paper. ``["train"]`` instead poisons training only.
+
+At the end it summarises every per-client series a method logged (``client.log``, e.g.
+FedMosaic's ``lambda``) for the two groups: ``<name>_corrupted_mean`` and ``<name>_clean_mean``,
+each the mean over the group's clients of a client's mean over the rounds it logged; a
+robustness experiment reads these two numbers (over seeds) instead of one metric per client.
 """
 
 from __future__ import annotations
@@ -63,3 +68,15 @@ class CorruptedClients(Plugin):
                 labels = getattr(data, f"{split}_y")
                 setattr(data, f"{split}_y", flip(labels, ctx.num_classes, self.params.mapping))
         return (yield)
+
+    @hookimpl
+    def on_finish(self, ctx):
+        corrupted = set(self.params.clients)
+        per_client: dict[tuple[str, int], list[float]] = {}
+        for row in ctx.client_series:
+            per_client.setdefault((row["name"], row["client"]), []).append(row["value"])
+        groups: dict[str, list[float]] = {}
+        for (name, client), values in per_client.items():
+            group = "corrupted" if client in corrupted else "clean"
+            groups.setdefault(f"{name}_{group}_mean", []).append(sum(values) / len(values))
+        return {key: sum(means) / len(means) for key, means in groups.items()}

@@ -71,8 +71,9 @@ docs/reproductions.md):
   mean, min and max over clients as metrics) is the mean of the round's
   per-step lambdas in "batch" mode, the round's lambda in "round" mode; it is not logged
   before the first consensus exists (round 1). The plot of lambda by round for all clients is
-  logged at the end as ``fedmosaic/lambda_by_round.png`` (+ ``.csv``), and each client's
-  mean over the rounds as the final metric ``lambda_mean/<id>`` (summarised over seeds).
+  logged at the end as ``fedmosaic/lambda_by_round.png`` (+ ``.csv``). With the
+  ``corrupted_clients`` add-on, ``lambda_corrupted_mean`` and ``lambda_clean_mean`` sum the
+  clients' mean lambdas up per group (final metrics, summarised over seeds).
 - Diagnostics logged every round, never read by the method: ``consensus_acc``, the accuracy
   of L_t against U's true labels (``ctx.data.public.true_y``: a simulation knows them even
   when ``public.labelled = false``; no client or training step sees them), and
@@ -447,5 +448,4 @@ class FedMosaic(Plugin):
         plots.close(fig)
         lines = ["client,round,lambda"] + [f"{i},{r},{v:.6g}" for i, pts in histories.items() for r, v in pts]
         ctx.tracker.log_text("\n".join(lines) + "\n", f"{self.name}/lambda_by_round.csv")
-        # One number per client for summaries over seeds: its mean lambda over the rounds.
-        return {f"lambda_mean/{i}": float(np.mean([v for _r, v in pts])) for i, pts in histories.items() if pts}
+        return None
