@@ -109,20 +109,26 @@ def loads(data: bytes) -> Any:
     return _decode(json.loads(metadata["skeleton"]), tensors)
 
 
-def save(path: str | os.PathLike, value: Any) -> None:
-    """Write ``value`` to ``path`` atomically: a reader sees the old file or the new one."""
+def write_atomic(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
+    """A new file replacing ``path`` (a new inode: a hard link to the old file keeps it), so a
+    reader sees the old file or the new one; ``durable``: fsync before the rename."""
     path = Path(path)
-    data = dumps(value)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save(path: str | os.PathLike, value: Any) -> None:
+    """Write ``value`` to ``path`` atomically and durably."""
+    write_atomic(path, dumps(value))
 
 
 def load(path: str | os.PathLike) -> Any:

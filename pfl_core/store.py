@@ -239,7 +239,7 @@ class ClientStore:
             if stale.name not in keep:
                 stale.unlink()
         manifest = {"format": MANIFEST_FORMAT, "num_clients": self._num_clients, "clients": saved}
-        _write_atomic(directory / MANIFEST, json.dumps(manifest).encode(), durable=True)
+        stateio.write_atomic(directory / MANIFEST, json.dumps(manifest).encode(), durable=True)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Replace every client's state by those :meth:`save` wrote into ``directory``. The
@@ -339,7 +339,7 @@ class ClientStore:
             self._snapshots[client_id] = _snapshot(state)
             return
         self._require_open()
-        _write_atomic(self._path(client_id), stateio.dumps(state), durable=False)
+        stateio.write_atomic(self._path(client_id), stateio.dumps(state), durable=False)
         self.writes += 1
         self._on_disk.add(client_id)
         self._snapshots[client_id] = _snapshot(state)
@@ -377,22 +377,6 @@ def _tensor_bytes(state) -> int:
         return nbytes(state)
     except TypeError:  # a value nbytes does not count: its tensors are what matters here
         return 0
-
-
-def _write_atomic(path: Path, data: bytes, durable: bool) -> None:
-    """A new file replacing ``path`` (a new inode, so a checkpoint linked to the old file keeps
-    it); ``durable``: fsync before the rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            if durable:
-                out.flush()
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

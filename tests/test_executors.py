@@ -91,6 +91,19 @@ def kill_once(marker, client_id, round):
     return hookimpl(local_train)
 
 
+def kill_always(monkeypatch, client_id, round):
+    """A local_train that SIGKILLs its own worker whenever it runs ``client_id`` in ``round``."""
+    from pfl_core.defaults import CoreDefaults
+    original = CoreDefaults.local_train
+
+    def always_dies(self, ctx, client):
+        if client.id == client_id and client.round == round:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, ctx, client)
+
+    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(always_dies))
+
+
 def test_a_killed_worker_is_retried_and_the_result_is_unchanged(tmp_path, monkeypatch):
     clean, _ = run("fedavg", {"name": "sequential"})
     from pfl_core.defaults import CoreDefaults
@@ -101,15 +114,7 @@ def test_a_killed_worker_is_retried_and_the_result_is_unchanged(tmp_path, monkey
 
 
 def test_a_worker_that_keeps_dying_stops_the_run_naming_client_and_round(tmp_path, monkeypatch):
-    from pfl_core.defaults import CoreDefaults
-    original = CoreDefaults.local_train
-
-    def always_dies(self, ctx, client):
-        if client.id == 3 and client.round == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, ctx, client)
-
-    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(always_dies))
+    kill_always(monkeypatch, client_id=3, round=1)
     with pytest.raises(PflError) as info:
         run("fedavg", {"name": "process", "workers": 2, "retries": 1})
     message = str(info.value)
@@ -247,15 +252,7 @@ def test_ray_retries_a_killed_worker_and_the_result_is_unchanged(local_ray, tmp_
 
 
 def test_ray_worker_that_keeps_dying_stops_the_run_naming_client_and_round(local_ray, monkeypatch):
-    from pfl_core.defaults import CoreDefaults
-    original = CoreDefaults.local_train
-
-    def always_dies(self, ctx, client):
-        if client.id == 3 and client.round == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, ctx, client)
-
-    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(always_dies))
+    kill_always(monkeypatch, client_id=3, round=1)
     with pytest.raises(PflError) as info:
         run("fedavg", {"name": "ray", "retries": 1})
     message = str(info.value)
