@@ -2,19 +2,23 @@
 
 Each case takes one shipped spec, applies one to three mutations (a key deleted or added, a value
 of the wrong type, a huge / negative / zero / NaN / infinite number, bytes that are not UTF-8,
-deep nesting, a broken sweep, broken TOML, bad ``--set`` / ``--sweep`` arguments) and runs
-``pfl-run SPEC --dry-run`` in this process. Every case must end in exit code 0, or exit code 2
-with one line on stderr that names a key path or the spec file and shows no Python internals,
-within a time limit. ``note:`` lines (a ``--set`` replacing a sweep axis) are informational and
-not counted as the error line.
+deep nesting, a broken sweep, broken TOML, another plugin's name, an odd data path, bad
+``--set`` / ``--sweep`` / ``--out`` arguments) and runs ``pfl-run SPEC --dry-run`` in this
+process. Every case must end in exit code 0, or exit code 2 with one line on stderr that names a
+key path or the spec file and shows no Python internals, within a time limit (SIGALRM; a hang
+inside C code that the alarm cannot break ends the process with every thread's stack, via
+faulthandler). ``note:`` lines (a ``--set`` replacing a sweep axis) are informational and not
+counted as the error line. A case that no valid spec survives (bytes that are not UTF-8, nesting
+deeper than 32, a key no table takes, a broken sweep) must not exit 0.
 
 The specs' npz files are replaced by small stand-ins of the same layout (a seeded subset of the
 real file: same keys, dtypes, sample shape, classes and domains) so that a spec that passes
 validation is built in well under a second; without ``../shared/data`` the data path is left as
-it is and such cases end in the "npz file not found" error.
+it is and such cases end in the "npz file not found" error. Torchvision datasets are not
+downloaded (``download = false``).
 
-Run as a script for longer campaigns; failures are printed with the case's seed, so one case can
-be replayed with ``--only``::
+Run as a script for longer campaigns; each failure is printed with its case index, and one case
+is replayed with ``--only INDEX`` (a case depends only on the seed, its index and the specs)::
 
     python tests/test_fuzz.py --cases 2000 --seed 0 [--save DIR] [--only INDEX]
 """
@@ -34,7 +38,6 @@ import signal
 import sys
 import tempfile
 import time
-import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +46,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parent.parent
 SPECS = sorted((REPO / "specs").glob("*.toml"))
 STAND_IN_TRAIN, STAND_IN_TEST = 3000, 400  # samples a stand-in npz keeps
 CASE_TIMEOUT_S = 30.0  # a dry run of a shipped spec on the stand-ins takes well under 5 s
-SUITE_CASES = 200  # in the test suite (the script's default is 2000)
+SUITE_CASES = 300  # in the test suite (the script's default is 2000)
 
 # Fragments that mean Python's internals reached the user.
 INTERNALS = re.compile(
@@ -548,8 +556,10 @@ def test_fuzzed_shipped_specs_end_in_exit_0_or_one_clean_line(tmp_path):
         if outcome.kind not in ("ok", "refused"):
             failures.append(describe(case, outcome))
     assert not failures, f"{len(failures)} of {SUITE_CASES} cases failed ({counts}):\n" + "\n".join(failures[:20])
-    # The fuzzer reaches both ends: specs that build and specs that are refused.
-    assert counts.get("ok", 0) >= 5 and counts.get("refused", 0) >= SUITE_CASES // 2, counts
+    # The fuzzer reaches both ends: specs that build and specs that are refused (without the
+    # shared data files only the synthetic quickstart can build).
+    has_data = any("standin_" in str(raw["data"].get("params", {}).get("path", "")) for _, raw in SEEDS)
+    assert counts.get("ok", 0) >= (5 if has_data else 0) and counts.get("refused", 0) >= SUITE_CASES // 2, counts
 
 
 @pytest.mark.parametrize("behaviour, kind", [
