@@ -91,7 +91,8 @@ def _cpu_snapshot() -> tuple[float, int, int] | None:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return time.perf_counter(), user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
+        # own + reaped children (the process executor's workers, reaped at the end of each map)
+        return time.perf_counter(), user + nice + system + irq + softirq + steal, sum(int(v) for v in own[11:15])
     except (OSError, ValueError, IndexError):
         return None
 

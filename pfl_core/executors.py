@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import multiprocessing
 import os
@@ -113,18 +114,22 @@ def _init_worker(threads: int, parent: int) -> None:
     torch.set_flush_denormal(True)
 
 
-def _call(index: int, payload: bytes) -> bytes:
-    """Run one item in a worker. Items and results travel as plain pickles made here: torch's
-    multiprocessing pickler would move tensors to shared memory instead, and a result that
-    shares the worker's working model would change under the server as the worker goes on."""
+def _call(indices: list[int], payload: bytes) -> list[bytes]:
+    """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
+    torch's multiprocessing pickler would move tensors to shared memory instead. Each result
+    is pickled as soon as it is computed: an upload may share the worker's working model,
+    which the next item trains."""
     with _running.get_lock():  # claim a slot the first time this worker runs an item
         pid = os.getpid()
         slot = next((s for s in range(len(_running) // 2) if _running[2 * s] == pid), None)
         if slot is None:
             slot = next(s for s in range(len(_running) // 2) if _running[2 * s] == 0)
             _running[2 * slot] = pid
-        _running[2 * slot + 1] = index
-    return pickle.dumps(_work_fn(pickle.loads(payload)), protocol=pickle.HIGHEST_PROTOCOL)
+    results = []
+    for index, item in zip(indices, pickle.loads(payload)):
+        _running[2 * slot + 1] = index  # which item a death is blamed on
+        results.append(pickle.dumps(_work_fn(item), protocol=pickle.HIGHEST_PROTOCOL))
+    return results
 
 
 def _pickled(item) -> bytes:
@@ -160,12 +165,17 @@ class ProcessExecutor:
         self.threads = threads
         self.retries = retries
 
+    # Items per task: one pickle per chunk, so an object every item shares (the broadcast
+    # weights of FedAvg-like methods, the evaluation message) is pickled once per chunk, not
+    # once per client; small enough that both workers stay busy.
+    CHUNK = 4
+
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
         context = multiprocessing.get_context("fork")
         _warm_up_torch()
-        window = 2 * self.workers  # items in flight: enough to keep every worker busy
+        window = 2 * self.workers  # chunks in flight: enough to keep every worker busy
         source = enumerate(items)
-        pending: collections.deque = collections.deque()  # (index, item, future)
+        pending: collections.deque = collections.deque()  # (indices, items, future) per chunk
         failures: collections.Counter = collections.Counter()
         pool = None
 
@@ -176,38 +186,41 @@ class ProcessExecutor:
             return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
                                        initargs=(self.threads, os.getpid()))
 
+        def submit(chunk: list) -> None:
+            indices, chunk_items = [i for i, _ in chunk], [it for _, it in chunk]
+            pending.append((indices, chunk_items, pool.submit(_call, indices, _pickled(chunk_items))))
+
         def fill():
             while len(pending) < window:
-                nxt = next(source, None)
-                if nxt is None:
+                chunk = list(itertools.islice(source, self.CHUNK))
+                if not chunk:
                     return
-                index, item = nxt
-                pending.append((index, item, pool.submit(_call, index, _pickled(item))))
+                submit(chunk)
 
         try:
             pool = new_pool()
             fill()
             while pending:
-                index, item, future = pending[0]
+                indices, chunk_items, future = pending[0]
                 try:
-                    result = pickle.loads(future.result())
+                    results = [pickle.loads(result) for result in future.result()]
                 except BrokenProcessPool:
                     dead, code = self._casualty(pool)
-                    culprit = next(((i, it) for i, it, _ in pending if i == dead), (index, item))
+                    unfinished = [(i, it) for idx, its, _ in pending for i, it in zip(idx, its)]
+                    culprit = next(((i, it) for i, it in unfinished if i == dead), unfinished[0])
                     failures[culprit[0]] += 1
                     if failures[culprit[0]] > self.retries:
                         raise PflError(f"executor: a worker process {_death(code)} while running {culprit[1]}; "
                                        f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
                     pool.shutdown(wait=True, cancel_futures=True)
                     pool = new_pool()  # run the unfinished items again, in order
-                    unfinished = [(i, it) for i, it, _ in pending]
                     pending.clear()
-                    for i, it in unfinished:
-                        pending.append((i, it, pool.submit(_call, i, _pickled(it))))
+                    for start in range(0, len(unfinished), self.CHUNK):
+                        submit(unfinished[start:start + self.CHUNK])
                     continue
                 pending.popleft()
                 fill()
-                yield result
+                yield from results
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
