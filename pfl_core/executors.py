@@ -105,7 +105,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init_worker(threads: int, parent: int) -> None:
+def _init_worker(threads: int, parent: int, running) -> None:
+    global _running
+    _running = running  # this pool's slot array
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
@@ -125,11 +127,48 @@ def _call(indices: list[int], payload: bytes) -> list[bytes]:
         if slot is None:
             slot = next(s for s in range(len(_running) // 2) if _running[2 * s] == 0)
             _running[2 * slot] = pid
+    call, items = pickle.loads(payload)
+    fn = _work_fn if call is None else _view_call(call)
     results = []
-    for index, item in zip(indices, pickle.loads(payload)):
+    for index, item in zip(indices, items):
         _running[2 * slot + 1] = index  # which item a death is blamed on
-        results.append(pickle.dumps(_work_fn(item), protocol=pickle.HIGHEST_PROTOCOL))
+        results.append(pickle.dumps(fn(item), protocol=pickle.HIGHEST_PROTOCOL))
     return results
+
+
+# What a ``ClientView`` carries that stays the same for a whole run (the process pool's workers
+# inherit it when they fork; Ray gets it once per run). Its other fields (the round, the
+# participants ...) travel with each map.
+RUN_CONSTANT = ("spec", "params", "data", "models", "hooks", "device")
+_pool_runtime: dict | None = None  # in a persistent pool's workers: the run's constant part
+
+
+def split_view_call(fn) -> tuple[dict, tuple] | None:
+    """For ``functools.partial(f, view, ...)`` with ``view`` a ``ClientView`` (the client side's
+    shape): (the view's run-constant part, (f, other arguments, keywords, round facts)), so a
+    worker can rebuild the call from a copy of the run it already holds; else None."""
+    from .context import ClientView
+
+    if not (isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], ClientView)):
+        return None
+    view = fn.args[0]
+    constant = {name: getattr(view, name) for name in RUN_CONSTANT}
+    facts = {name: getattr(view, name) for name in ClientView.READ_ONLY if name not in RUN_CONSTANT}
+    return constant, (fn.func, fn.args[1:], fn.keywords, facts)
+
+
+def rebuild_view_call(runtime: dict, call: tuple):
+    """The function ``split_view_call`` took apart, on ``runtime`` (a copy of its constant part)."""
+    import types
+
+    from .context import ClientView
+
+    func, args, kwargs, facts = call
+    return functools.partial(func, ClientView(types.SimpleNamespace(**runtime, **facts)), *args, **kwargs)
+
+
+def _view_call(call: tuple):
+    return rebuild_view_call(_pool_runtime, call)
 
 
 def _pickled(item) -> bytes:
@@ -145,17 +184,26 @@ def _death(code: int | None) -> str:
 
 
 class ProcessExecutor:
-    """A pool of worker processes on this machine, forked for each ``map``.
+    """A pool of forked worker processes on this machine.
 
     Forking shares the data set, the models and the plugins with the workers without copying
     them (copy-on-write); only the items (a client's message and state) and the results (its
     upload and new state) travel, pickled through pipes between this machine's own processes.
-    Each worker runs one torch thread. Results come back in the items' order whatever order
-    the workers finish in. A worker that dies is reported with the item it ran; that item and
-    the ones not yet finished are run again in a new pool, up to ``retries`` times per item.
+    The client side of a round and of an evaluation (``functools.partial(f, ClientView, ...)``)
+    runs in one pool kept for the whole run: its workers rebuild each map's view from the run
+    they forked with and the round facts sent with the items. Any other function runs in a
+    pool forked for that ``map`` (it inherits the function as it is). Each worker runs one
+    torch thread. Results come back in the items' order whatever order the workers finish
+    in. A worker that dies is reported with the item it ran; that item and the ones not yet
+    finished are run again in a new pool, up to ``retries`` times per item.
     """
 
     name = "process"
+
+    # Items per task: one pickle per chunk, so an object every item shares (the broadcast
+    # weights of FedAvg-like methods, the evaluation message) is pickled once per chunk, not
+    # once per client; small enough that both workers stay busy.
+    CHUNK = 4
 
     def __init__(self, workers: int, threads: int = 1, retries: int = 1):
         if "fork" not in multiprocessing.get_all_start_methods():
@@ -164,31 +212,45 @@ class ProcessExecutor:
         self.workers = workers
         self.threads = threads
         self.retries = retries
+        self._run_pool = None  # the pool of the run's client side, and the run it forked with
+        self._run_pool_constant: dict | None = None
 
-    # Items per task: one pickle per chunk, so an object every item shares (the broadcast
-    # weights of FedAvg-like methods, the evaluation message) is pickled once per chunk, not
-    # once per client; small enough that both workers stay busy.
-    CHUNK = 4
+    def _new_pool(self, fn=None, runtime: dict | None = None):
+        """A pool whose workers fork (at its first submit, right after this) with ``fn`` as the
+        function of this map, or with ``runtime`` to rebuild client-side calls on."""
+        global _work_fn, _pool_runtime
+        _warm_up_torch()
+        context = multiprocessing.get_context("fork")
+        _work_fn, _pool_runtime = fn, runtime
+        pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                   initargs=(self.threads, os.getpid(), context.Array("q", 2 * self.workers)))
+        pool.pfl_running = pool._initargs[2]  # for _casualty, in this process
+        return pool
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
-        context = multiprocessing.get_context("fork")
-        _warm_up_torch()
+        split = split_view_call(fn)
+        if split is None:  # not the client side: a pool of its own, forked now
+            make_pool, call = (lambda: self._new_pool(fn=fn)), None
+        else:
+            constant, call = split
+            if self._run_pool is None or any(self._run_pool_constant[n] is not v for n, v in constant.items()):
+                self.close()
+                self._run_pool, self._run_pool_constant = self._new_pool(runtime=constant), constant
+
+            def make_pool():  # after a worker died: a fresh pool of the same run
+                self._run_pool.shutdown(wait=True, cancel_futures=True)
+                self._run_pool = self._new_pool(runtime=constant)
+                return self._run_pool
+
+        pool = self._run_pool if split is not None else make_pool()
         window = 2 * self.workers  # chunks in flight: enough to keep every worker busy
         source = enumerate(items)
         pending: collections.deque = collections.deque()  # (indices, items, future) per chunk
         failures: collections.Counter = collections.Counter()
-        pool = None
-
-        def new_pool():
-            global _work_fn, _running
-            _work_fn = fn  # inherited by the workers this pool forks (another map may run meanwhile)
-            _running = context.Array("q", 2 * self.workers)
-            return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                       initargs=(self.threads, os.getpid()))
 
         def submit(chunk: list) -> None:
             indices, chunk_items = [i for i, _ in chunk], [it for _, it in chunk]
-            pending.append((indices, chunk_items, pool.submit(_call, indices, _pickled(chunk_items))))
+            pending.append((indices, chunk_items, pool.submit(_call, indices, _pickled((call, chunk_items)))))
 
         def fill():
             while len(pending) < window:
@@ -198,7 +260,6 @@ class ProcessExecutor:
                 submit(chunk)
 
         try:
-            pool = new_pool()
             fill()
             while pending:
                 indices, chunk_items, future = pending[0]
@@ -212,8 +273,9 @@ class ProcessExecutor:
                     if failures[culprit[0]] > self.retries:
                         raise PflError(f"executor: a worker process {_death(code)} while running {culprit[1]}; "
                                        f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    pool = new_pool()  # run the unfinished items again, in order
+                    if split is None:
+                        pool.shutdown(wait=True, cancel_futures=True)
+                    pool = make_pool()  # run the unfinished items again, in order
                     pending.clear()
                     for start in range(0, len(unfinished), self.CHUNK):
                         submit(unfinished[start:start + self.CHUNK])
@@ -222,12 +284,14 @@ class ProcessExecutor:
                 fill()
                 yield from results
         finally:
-            if pool is not None:
+            for _, _, future in pending:  # a map left early (an error in the consumer)
+                future.cancel()
+            if split is None:
                 pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
     def _casualty(pool, wait: float = 3.0) -> tuple[int | None, int | None]:
-        """(index of the item the dead worker ran, its exit code), from the shared slot array.
+        """(index of the item the dead worker ran, its exit code), from the pool's slot array.
 
         A broken pool SIGTERMs its other workers, so the first to die is the one whose exit
         code is not SIGTERM's; the exit codes are polled for a moment, as the pool's manager
@@ -238,20 +302,20 @@ class ProcessExecutor:
             time.sleep(0.02)
         codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
         first = {pid: c for pid, c in codes.items() if c != -signal.SIGTERM} or codes
-        for slot in range(len(_running) // 2):
-            if _running[2 * slot] in first:
-                return int(_running[2 * slot + 1]), first[_running[2 * slot]]
+        running = pool.pfl_running
+        for slot in range(len(running) // 2):
+            if running[2 * slot] in first:
+                return int(running[2 * slot + 1]), first[running[2 * slot]]
         return None, next(iter(first.values()), None)
 
     def close(self) -> None:
-        pass
+        """Stop the run's pool (the engine calls this at the end of a run)."""
+        if self._run_pool is not None:
+            self._run_pool.shutdown(wait=True, cancel_futures=True)
+        self._run_pool = self._run_pool_constant = None
 
 
 # -- Ray ----------------------------------------------------------------------------------
-
-# What a ``ClientView`` carries that stays the same for a whole run: shipped to Ray's object
-# store once per run. Its other fields (the round, the participants ...) travel with each map.
-RUN_CONSTANT = ("spec", "params", "data", "models", "hooks", "device")
 
 RAY_MISSING = "executor.name: 'ray' needs Ray: pip install -e '.[ray]'"
 
@@ -277,19 +341,14 @@ def _ray_run(refs: list, threads: int, item):
     """One item in a Ray worker: rebuild the client view from the run's constant part and the
     map's round facts (both fetched once per worker), then call the map's function on it."""
     global _worker_runtime, _worker_call, _worker_threads
-    import types
-
-    from .context import ClientView
-
     if _worker_threads != threads:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(True)
         _worker_threads = threads
     runtime_ref, call_ref = refs  # nested in a list: Ray would otherwise fetch them for every item
     _worker_runtime, runtime = _fetched(_worker_runtime, runtime_ref)
-    _worker_call, (func, args, kwargs, facts) = _fetched(_worker_call, call_ref)
-    view = ClientView(types.SimpleNamespace(**runtime, **facts))
-    return func(view, *args, item, **kwargs)  # = functools.partial(func, view, *args, **kwargs)(item)
+    _worker_call, call = _fetched(_worker_call, call_ref)
+    return rebuild_view_call(runtime, call)(item)
 
 
 class RayExecutor:
@@ -343,16 +402,14 @@ class RayExecutor:
     def _ship(self, fn) -> list | None:
         """The object refs a task needs for ``fn`` (run constant, this map's call), or None when
         ``fn`` is not the client side's shape and runs in this process."""
-        from .context import ClientView
-
-        if not (isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], ClientView)):
+        split = split_view_call(fn)
+        if split is None:
             return None
-        view = fn.args[0]
+        constant, call = split
         ray = self.ray
-        if view.device.type != "cpu":  # Ray tasks here ask for CPUs only: Ray hides the GPUs from them
+        if constant["device"].type != "cpu":  # Ray tasks here ask for CPUs only: Ray hides the GPUs from them
             raise PflError(f"executor.device: '{view.device.type}' with executor.name = 'ray' is not supported; "
                            f"use 'sequential' or 'batched' on a GPU")
-        constant = {name: getattr(view, name) for name in RUN_CONSTANT}
         if self._runtime is None or any(self._runtime[0][n] is not v for n, v in constant.items()):
             try:
                 self._runtime = (constant, ray.put(constant))
@@ -360,8 +417,7 @@ class RayExecutor:
                 raise PflError(f"executor.name: 'ray' cannot send the run to Ray workers ({type(exc).__name__}: "
                                f"{' '.join(str(exc).split())[:200]}); a plugin may hold something that cannot be "
                                f"pickled; use 'process' or 'sequential'") from None
-        facts = {name: getattr(view, name) for name in ClientView.READ_ONLY if name not in RUN_CONSTANT}
-        return [self._runtime[1], ray.put((fn.func, fn.args[1:], fn.keywords, facts))]
+        return [self._runtime[1], ray.put(call)]
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
         refs = self._ship(fn)
