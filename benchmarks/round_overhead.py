@@ -91,10 +91,23 @@ def _cpu_snapshot() -> tuple[float, int, int] | None:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        # own + reaped children (the process executor's workers, reaped at the end of each map)
-        return time.perf_counter(), user + nice + system + irq + softirq + steal, sum(int(v) for v in own[11:15])
+        # this process, its reaped children and its live ones (the process executor's workers)
+        return time.perf_counter(), user + nice + system + irq + softirq + steal, sum(int(v) for v in own[11:15]) + _children_ticks()
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _children_ticks() -> int:
+    """CPU ticks used so far by this process's live child processes (Linux /proc)."""
+    total = 0
+    for tasks in Path("/proc/self/task").glob("*/children"):
+        for pid in tasks.read_text().split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(stat[11]) + int(stat[12])
+            except (OSError, ValueError, IndexError):  # exited meanwhile: counted once reaped
+                pass
+    return total
 
 
 def _others_cores(before, after) -> float:

@@ -116,7 +116,7 @@ def _init_worker(threads: int, parent: int, running) -> None:
     torch.set_flush_denormal(True)
 
 
-def _call(indices: list[int], payload: bytes) -> list[bytes]:
+def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float]:
     """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
     torch's multiprocessing pickler would move tensors to shared memory instead. Each result
     is pickled as soon as it is computed: an upload may share the worker's working model,
@@ -127,13 +127,14 @@ def _call(indices: list[int], payload: bytes) -> list[bytes]:
         if slot is None:
             slot = next(s for s in range(len(_running) // 2) if _running[2 * s] == 0)
             _running[2 * slot] = pid
+    started = time.process_time()
     call, items = pickle.loads(payload)
     fn = _work_fn if call is None else _view_call(call)
     results = []
     for index, item in zip(indices, items):
         _running[2 * slot + 1] = index  # which item a death is blamed on
         results.append(pickle.dumps(fn(item), protocol=pickle.HIGHEST_PROTOCOL))
-    return results
+    return results, time.process_time() - started
 
 
 # What a ``ClientView`` carries that stays the same for a whole run (the process pool's workers
@@ -202,8 +203,13 @@ class ProcessExecutor:
 
     # Items per task: one pickle per chunk, so an object every item shares (the broadcast
     # weights of FedAvg-like methods, the evaluation message) is pickled once per chunk, not
-    # once per client; small enough that both workers stay busy.
+    # once per client. A chunk aims at CHUNK_SECONDS of work, from what the last map of the
+    # same function took per item (CHUNK items the first time): cheap items (evaluating a
+    # client: ~7 ms for LeNet-5) go many to a task, a round's clients (~0.1 s) one at a time,
+    # so that a worker left alone at the end of a map waits for little.
     CHUNK = 4
+    MAX_CHUNK = 16
+    CHUNK_SECONDS = 0.05
 
     def __init__(self, workers: int, threads: int = 1, retries: int = 1):
         if "fork" not in multiprocessing.get_all_start_methods():
@@ -213,6 +219,7 @@ class ProcessExecutor:
         self.threads = threads
         self.retries = retries
         self._run_pool = None  # the pool of the run's client side, and the run it forked with
+        self._item_seconds: dict = {}  # CPU seconds per item of the last map, by function
         self._run_pool_constant: dict | None = None
 
     def _new_pool(self, fn=None, runtime: dict | None = None):
@@ -243,6 +250,13 @@ class ProcessExecutor:
                 return self._run_pool
 
         pool = self._run_pool if split is not None else make_pool()
+        # what "the same function" is across maps: the client-side function, else the code of
+        # the function given (never the function itself: a closure would keep the run alive)
+        kind = call[0] if call is not None else getattr(getattr(fn, "func", fn), "__code__", None)
+        per_item = self._item_seconds.get(kind)
+        chunk_size = (self.CHUNK if per_item is None else
+                      max(1, min(self.MAX_CHUNK, round(self.CHUNK_SECONDS / max(per_item, 1e-6)))))
+        spent, done = 0.0, 0
         window = 2 * self.workers  # chunks in flight: enough to keep every worker busy
         source = enumerate(items)
         pending: collections.deque = collections.deque()  # (indices, items, future) per chunk
@@ -254,7 +268,7 @@ class ProcessExecutor:
 
         def fill():
             while len(pending) < window:
-                chunk = list(itertools.islice(source, self.CHUNK))
+                chunk = list(itertools.islice(source, chunk_size))
                 if not chunk:
                     return
                 submit(chunk)
@@ -264,7 +278,8 @@ class ProcessExecutor:
             while pending:
                 indices, chunk_items, future = pending[0]
                 try:
-                    results = [pickle.loads(result) for result in future.result()]
+                    pickled, seconds = future.result()
+                    results = [pickle.loads(result) for result in pickled]
                 except BrokenProcessPool:
                     dead, code = self._casualty(pool)
                     unfinished = [(i, it) for idx, its, _ in pending for i, it in zip(idx, its)]
@@ -277,10 +292,13 @@ class ProcessExecutor:
                         pool.shutdown(wait=True, cancel_futures=True)
                     pool = make_pool()  # run the unfinished items again, in order
                     pending.clear()
-                    for start in range(0, len(unfinished), self.CHUNK):
-                        submit(unfinished[start:start + self.CHUNK])
+                    for start in range(0, len(unfinished), chunk_size):
+                        submit(unfinished[start:start + chunk_size])
                     continue
                 pending.popleft()
+                spent, done = spent + seconds, done + len(results)
+                if kind is not None:
+                    self._item_seconds[kind] = spent / done
                 fill()
                 yield from results
         finally:
