@@ -54,8 +54,19 @@ def test_damaged_files_are_detected(damage):
         data[40] ^= 0x01
     else:
         data = bytearray()
-    with pytest.raises(stateio.CorruptStateError):
+    expected = {"truncate": "not a readable safetensors file", "flip_tensor_byte": "checksum mismatch",
+                "flip_header_byte": "not a readable safetensors file|checksum mismatch|not a pfl state",
+                "empty": "not a readable safetensors file"}[damage]
+    with pytest.raises(stateio.CorruptStateError, match=expected):
         stateio.loads(bytes(data))
+
+
+def test_an_unknown_skeleton_entry_is_named():
+    from safetensors.torch import save
+    data = save({}, metadata={"format": stateio.FORMAT, "skeleton": '{"__set__": []}',
+                              "sha256": stateio._digest('{"__set__": []}', {})})
+    with pytest.raises(stateio.CorruptStateError, match=r"unknown entry \['__set__'\] in the state skeleton"):
+        stateio.loads(data)
 
 
 def test_plain_safetensors_file_is_not_taken_for_a_state():
