@@ -117,9 +117,7 @@ class ModelBank:
             asked = re.search(r"tried to allocate ([\d.]+ ?[A-Za-z]+)", text)
             detail = (f"torch could not allocate {asked.group(1)}" if asked else "a size beyond 64-bit integers"
                       if overflow else text[:160] or type(exc).__name__)
-            raise SpecError(getattr(plugin, "params_path", "model.params"),
-                            f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
-                            f"inputs {self.input_shape} ({detail})") from None
+            raise self._too_large(arch, plugin, detail) from None
 
     def _check_size(self, arch: str, plugin) -> None:
         """Build on torch's meta device first (nothing allocated, no random draws kept): a model
@@ -136,10 +134,13 @@ class ModelBank:
         except (AttributeError, ValueError, OSError):  # not on this platform
             return
         if size > memory:
-            raise SpecError(getattr(plugin, "params_path", "model.params"),
-                            f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
-                            f"inputs {self.input_shape} (its weights need {size / 2**30:.1f} GiB, more than this "
-                            f"machine's {memory / 2**30:.1f} GiB of memory)")
+            raise self._too_large(arch, plugin, f"its weights need {size / 2**30:.1f} GiB, more than this "
+                                                f"machine's {memory / 2**30:.1f} GiB of memory")
+
+    def _too_large(self, arch: str, plugin, detail: str) -> SpecError:
+        return SpecError(getattr(plugin, "params_path", "model.params"),
+                         f"{arch} with these parameters is too large to build for {self.num_classes} classes and "
+                         f"inputs {self.input_shape} ({detail})")
 
     def initial_state(self, arch: str) -> dict[str, torch.Tensor]:
         if arch not in self._initial:

@@ -76,6 +76,7 @@ class BatchedExecutor(SequentialExecutor):
 # inherit it (and everything it refers to: data, models, plugins) without pickling.
 _work_fn: Callable | None = None
 _running = None  # shared array: per worker slot, (pid, index of the item it runs)
+_slot: int | None = None  # in a worker: its slot in _running
 
 
 _warmed_up = False
@@ -106,8 +107,11 @@ def _die_with_parent() -> None:
 
 
 def _init_worker(threads: int, parent: int, running) -> None:
-    global _running
+    global _running, _slot
     _running = running  # this pool's slot array
+    with running.get_lock():  # claim a free slot: (pid, item) pairs tell who ran what
+        _slot = next(s for s in range(len(running) // 2) if running[2 * s] == 0)
+        running[2 * _slot] = os.getpid()
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
@@ -121,18 +125,12 @@ def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float]:
     torch's multiprocessing pickler would move tensors to shared memory instead. Each result
     is pickled as soon as it is computed: an upload may share the worker's working model,
     which the next item trains."""
-    with _running.get_lock():  # claim a slot the first time this worker runs an item
-        pid = os.getpid()
-        slot = next((s for s in range(len(_running) // 2) if _running[2 * s] == pid), None)
-        if slot is None:
-            slot = next(s for s in range(len(_running) // 2) if _running[2 * s] == 0)
-            _running[2 * slot] = pid
     started = time.process_time()
     call, items = pickle.loads(payload)
     fn = _work_fn if call is None else _view_call(call)
     results = []
     for index, item in zip(indices, items):
-        _running[2 * slot + 1] = index  # which item a death is blamed on
+        _running[2 * _slot + 1] = index  # which item a death is blamed on
         results.append(pickle.dumps(fn(item), protocol=pickle.HIGHEST_PROTOCOL))
     return results, time.process_time() - started
 
@@ -229,9 +227,10 @@ class ProcessExecutor:
         _warm_up_torch()
         context = multiprocessing.get_context("fork")
         _work_fn, _pool_runtime = fn, runtime
+        running = context.Array("q", 2 * self.workers)
         pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                   initargs=(self.threads, os.getpid(), context.Array("q", 2 * self.workers)))
-        pool.pfl_running = pool._initargs[2]  # for _casualty, in this process
+                                   initargs=(self.threads, os.getpid(), running))
+        pool.pfl_running = running  # for _casualty, in this process
         return pool
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
@@ -572,9 +571,6 @@ def _check_reachable(address: str, timeout: float = 3.0) -> None:
                                             f"cluster running (ray start --head) and the port open?") from None
 
 
-EXECUTORS = {SequentialExecutor.name: SequentialExecutor, ProcessExecutor.name: ProcessExecutor,
-             RayExecutor.name: RayExecutor}
-EXECUTORS[BatchedExecutor.name] = BatchedExecutor
 
 
 # Parameter-samples (model parameters x samples trained) a round needs before a pool pays
@@ -611,4 +607,4 @@ def make_executor(name: str, workers: int = 1, threads: int = 1, retries: int = 
         return ProcessExecutor(workers, threads, retries)
     if name == "ray":
         return RayExecutor(workers, threads, retries, address)
-    return EXECUTORS[name]()
+    return {"sequential": SequentialExecutor, "batched": BatchedExecutor}[name]()
