@@ -288,3 +288,52 @@ def test_norm_none_is_the_unchanged_model_and_bad_norms_are_refused():
     with pytest.raises(SpecError) as info:
         plugin("mlp", {"norm": "layer"})
     assert info.value.path == "model.params.norm" and "'none', 'batch'" in str(info.value)
+
+
+def _pool_inputs():
+    """Batches where the 2x2 windows tie (quantised values, a constant region, zeros after a
+    ReLU), hold -inf and NaN, and have an odd number of rows and columns (floor mode)."""
+    gen = torch.Generator().manual_seed(0)
+    quantised = torch.randint(0, 3, (4, 6, 28, 28), generator=gen).float()
+    quantised[:, :, :8, :8] = 1.5
+    odd = torch.randn(2, 3, 9, 7, generator=gen)
+    odd[0, 0, 0, 0], odd[1, 2, 4, 4] = float("-inf"), float("nan")
+    return [quantised, torch.relu(torch.randn(3, 16, 10, 10, generator=gen)), odd, torch.randn(5, 6, 7, generator=gen)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_fast_max_pool_is_torch_max_pool_bit_for_bit(index):
+    from pfl_core.models.zoo import _max_pool2
+
+    x = _pool_inputs()[index]
+    expected = torch.nn.functional.max_pool2d(x, 2)
+    with torch.no_grad():
+        got = _max_pool2(x)
+    assert got.shape == expected.shape
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
+def test_fast_max_pool_leaves_training_gradients_to_torch():
+    """A tied window's gradient goes to its first maximum, as torch's max_pool2d sends it
+    (``torch.maximum`` would split it between the tied elements)."""
+    from pfl_core.models.zoo import _max_pool2
+
+    x = _pool_inputs()[0].requires_grad_()
+    _max_pool2(x).sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    torch.nn.functional.max_pool2d(x, 2).sum().backward()
+    assert torch.equal(ours, x.grad)
+    assert set(ours.unique().tolist()) == {0.0, 1.0}  # whole gradients only: ties were present
+
+
+@pytest.mark.parametrize("name", ["lenet5", "cnn2", "cnn4"])
+def test_evaluation_logits_equal_training_path_logits(name):
+    """Without autograd the zoo's CNNs take the fast pooling path; their logits stay bit-identical."""
+    model = build(name, (3, 32, 32)).eval()
+    x = torch.randint(0, 4, (8, 3, 32, 32)).float()  # ties in the pooling windows
+    with_grad = model(x)
+    with torch.no_grad():
+        without = model(x)
+    assert with_grad.requires_grad and torch.equal(with_grad.detach(), without)

@@ -61,6 +61,23 @@ def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
+def _max_pool2(x: torch.Tensor) -> torch.Tensor:
+    """``F.max_pool2d(x, 2)``, with a faster exact path where no gradient is taken.
+
+    On the CPU, torch's max_pool2d kernel for a 2x2 window takes 2.9 ms on a (100, 6, 28, 28)
+    batch with one thread, more than LeNet-5's first convolution; the same values as three
+    elementwise maxima of the four strided quarters take 0.37 ms (benchmarks/max_pool.py).
+    The maximum is exact, so evaluation gives bit-identical logits. Training keeps torch's
+    kernel: its backward sends a tied window's gradient to the first maximum, which
+    ``torch.maximum`` would split.
+    """
+    if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+        return F.max_pool2d(x, 2)
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # floor mode drops an odd last row/column
+    return torch.maximum(torch.maximum(x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2]),
+                         torch.maximum(x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]))
+
+
 @described("each >= 1")
 def _positive_sizes(_instance, attribute, value):
     if any(isinstance(v, bool) or v < 1 for v in value):
@@ -121,8 +138,8 @@ class _LeNet5Net(nn.Module):
         self.fc3 = nn.Linear(f2, num_classes)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = _max_pool2(F.relu(self.bn1(self.conv1(x))))
+        x = _max_pool2(F.relu(self.bn2(self.conv2(x))))
         x = torch.flatten(x, 1)
         x = F.relu(self.bn3(self.fc1(x)))
         x = F.relu(self.bn4(self.fc2(x)))
@@ -214,8 +231,8 @@ class _CNN2Net(nn.Module):
         self.fc2 = nn.Linear(f1, num_classes)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = _max_pool2(F.relu(self.bn1(self.conv1(x))))
+        x = _max_pool2(F.relu(self.bn2(self.conv2(x))))
         x = torch.flatten(x, 1)
         return self.fc2(F.relu(self.bn3(self.fc1(x))))
 
@@ -270,9 +287,9 @@ class _CNN4Net(nn.Module):
 
     def forward(self, x):
         x = F.relu(self.bn1(self.conv1(x)))
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = _max_pool2(F.relu(self.bn2(self.conv2(x))))
         x = F.relu(self.bn3(self.conv3(x)))
-        x = F.max_pool2d(F.relu(self.bn4(self.conv4(x))), 2)
+        x = _max_pool2(F.relu(self.bn4(self.conv4(x))))
         return self.fc(torch.flatten(x, 1))
 
 
