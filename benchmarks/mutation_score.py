@@ -53,6 +53,7 @@ TESTS: dict[str, list[str]] = {
     "pfl_core/training.py": ["tests/test_training.py", "tests/test_core_loop.py"],
     "pfl_core/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
     "pfl_core/stateio.py": ["tests/test_stateio.py"],
+    "pfl_core/models/zoo.py": ["tests/test_models.py"],
     "pfl_core/executors.py": [f"tests/test_executors.py::{name}" for name in (
         "test_auto_picks_the_pool_only_when_it_pays", "test_a_killed_worker_is_retried_and_the_result_is_unchanged",
         "test_a_worker_that_keeps_dying_stops_the_run_naming_client_and_round",
@@ -119,10 +120,22 @@ def changes_what_runs(path: str, source: str, mutation_id) -> bool:
     return mutated is not None and mutated != executable_ast(source)
 
 
-def choose_mutants(path: str, source: str, sample: int, rng: random.Random) -> tuple[list, int]:
+def function_lines(source: str, names: list[str]) -> set[int]:
+    """The line numbers (1-based) of the functions and methods called one of ``names``."""
+    return {line for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names
+            for line in range(node.lineno, node.end_lineno + 1)}
+
+
+def choose_mutants(path: str, source: str, sample: int, rng: random.Random,
+                   functions: list[str] | None = None) -> tuple[list, int]:
     """(the mutants to test, in file order; how many mutmut makes). With ``sample`` > 0, a
-    seeded random draw of that many among those that change what runs; else all of those."""
+    seeded random draw of that many among those that change what runs; else all of those.
+    With ``functions``, only the mutants inside the functions of those names."""
     mutants = list_mutants(path, source)
+    if functions:
+        lines = function_lines(source, functions)
+        mutants = [m for m in mutants if m.line_number + 1 in lines]  # mutmut counts lines from 0
     order = rng.sample(mutants, len(mutants)) if sample > 0 else mutants
     chosen = []
     for mutation_id in order:
@@ -248,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, help="write every mutant's outcome here (JSON lines), as it comes")
     parser.add_argument("--report", type=Path, metavar="LOG", help="only summarise a --log of an earlier (or cut-off) run")
     parser.add_argument("--list", action="store_true", help="print the targets, their tests and mutant counts")
+    parser.add_argument("--function", nargs="+", metavar="NAME",
+                        help="only the mutants inside the functions (or methods) of these names, as for a change's review")
     args = parser.parse_args(argv)
     if args.report:
         return report_from_log(args.report)
@@ -265,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{target:28s} {total:4d} mutants   {' '.join(TESTS[target])}")
         return 0
     for target in targets:
-        chosen, total = choose_mutants(source_file(target), sources[source_file(target)], args.sample, rng)
+        chosen, total = choose_mutants(source_file(target), sources[source_file(target)], args.sample, rng,
+                                       args.function)
         plan.append((target, TESTS[target], chosen, total))
 
     import multiprocessing as mp

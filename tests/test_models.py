@@ -298,7 +298,8 @@ def _pool_inputs():
     quantised[:, :, :8, :8] = 1.5
     odd = torch.randn(2, 3, 9, 7, generator=gen)
     odd[0, 0, 0, 0], odd[1, 2, 4, 4] = float("-inf"), float("nan")
-    return [quantised, torch.relu(torch.randn(3, 16, 10, 10, generator=gen)), odd, torch.randn(5, 6, 7, generator=gen)]
+    unbatched = torch.randn(5, 9, 6, generator=gen)  # (C, H, W), H // 2 != W // 2
+    return [quantised, torch.relu(torch.randn(3, 16, 10, 10, generator=gen)), odd, unbatched]
 
 
 @pytest.mark.parametrize("index", range(4))
@@ -337,3 +338,18 @@ def test_evaluation_logits_equal_training_path_logits(name):
     with torch.no_grad():
         without = model(x)
     assert with_grad.requires_grad and torch.equal(with_grad.detach(), without)
+
+
+@pytest.mark.parametrize("grad_enabled,requires_grad", [(True, True), (True, False), (False, True), (False, False)])
+def test_torch_pooling_kernel_only_where_a_gradient_is_taken(grad_enabled, requires_grad):
+    """The fast path serves every CPU call that builds no graph (evaluation, a frozen body's
+    forward in training); torch's kernel only the calls autograd will differentiate."""
+    from unittest import mock
+
+    from pfl_core.models import zoo
+
+    x = torch.randn(2, 3, 8, 8, requires_grad=requires_grad)
+    with mock.patch.object(zoo.F, "max_pool2d", wraps=torch.nn.functional.max_pool2d) as kernel:
+        with torch.set_grad_enabled(grad_enabled):
+            zoo._max_pool2(x)
+    assert kernel.called == (grad_enabled and requires_grad)
