@@ -328,3 +328,55 @@ def test_the_parent_imports_what_the_first_optimiser_step_would_before_forking()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def _pickle_cases():
+    base = torch.arange(12, dtype=torch.float32)
+    return {
+        "float matrix": torch.randn(3, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "bool": torch.tensor([True, False, True]),
+        "bfloat16": torch.randn(4).to(torch.bfloat16),  # numpy has no bfloat16: travels as bytes
+        "int64": torch.arange(-3, 3),
+        "uint8 labels": torch.randint(0, 10, (17,), dtype=torch.uint8),
+        "transposed view": base.reshape(3, 4).t(),
+        "slice of a larger storage": base[5:8],
+    }
+
+
+@pytest.mark.parametrize("case", list(_pickle_cases()))
+def test_items_and_results_pickle_tensors_exactly(case):
+    """The pool's pickler sends a tensor's bytes: same dtype, shape and values, a writable
+    tensor of its own (a worker trains in place on what it receives)."""
+    import pickle
+
+    tensor = _pickle_cases()[case]
+    before = tensor.clone()
+    back = pickle.loads(executors._pickled({"t": tensor, "n": 3}))["t"]
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.float(), tensor.float())
+    back.zero_()  # writable, and not the original's memory
+    assert torch.equal(tensor, before)
+
+
+def test_pickler_sends_a_repeated_tensor_once_and_only_its_own_bytes():
+    import pickle
+
+    weights = torch.randn(1000)
+    twice = executors._pickled({"a": weights, "b": weights})
+    assert len(twice) < 1.1 * 4000
+    back = pickle.loads(twice)
+    assert back["a"] is back["b"]
+    # a 3-element view of the 1,000-element storage sends 3 elements (torch's reduction, the whole storage)
+    assert len(executors._pickled(weights[:3])) < 400 < 4000 < len(pickle.dumps(weights[:3]))
+
+
+def test_pickler_leaves_parameters_and_graph_tensors_to_torch():
+    import pickle
+
+    parameter = torch.nn.Parameter(torch.randn(3))
+    leaf = torch.randn(2, requires_grad=True)
+    back = pickle.loads(executors._pickled({"p": parameter, "leaf": leaf}))
+    assert isinstance(back["p"], torch.nn.Parameter) and torch.equal(back["p"], parameter)
+    assert back["leaf"].requires_grad and torch.equal(back["leaf"], leaf)
