@@ -6,7 +6,13 @@ tensors) and the same with ``--public`` uint8 labels (a label-only upload), pick
 unpickled with the plain pickler (torch's own tensor reduction) and with the executor's
 ``_pickled`` (tensors as raw bytes). Medians of ``--repeats`` in milliseconds, one thread.
 
+With ``--rounds N``, also the whole effect: two runs of round_overhead's FedAvg set-up (LeNet-5,
+100 clients x 500 samples, batch ``--batch``) under the ``process`` executor, one with each
+pickler (its workers forked with it), N rounds each after a warm-up, alternating which goes
+first; it prints each pair and the median of (raw bytes round / plain-pickle round).
+
     OMP_NUM_THREADS=1 python benchmarks/pickling.py
+    OMP_NUM_THREADS=1 python benchmarks/pickling.py --rounds 6 --batch 50
 
 See docs/benchmarks.md (Every core).
 """
@@ -16,12 +22,51 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
+from unittest import mock
 
 import torch
 
-from pfl_core import registry
+from pfl_core import executors, registry
 from pfl_core.executors import _pickled
+
+
+def plain_pickled(item) -> bytes:
+    return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def rounds_with_each_pickler(rounds: int, batch: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import round_overhead as ro
+
+    ro.RUN["executor"] = {"name": "process"}
+    picklers = {"plain pickle": plain_pickled, "raw bytes": _pickled}
+    with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
+        npz = Path(tmp) / "random.npz"
+        ro.write_npz(npz, 100, ro.TEST_PER_CLIENT, seed=0)
+        runs = {}
+        for name, pickler in picklers.items():
+            engine, ctx = ro.prepare(npz, 100, batch, ro.TEST_PER_CLIENT, 0)
+            with mock.patch.object(executors, "_pickled", pickler):  # the pool forks with it
+                engine.run_round(ctx, 1)
+            runs[name] = engine, ctx
+        seconds = {name: [] for name in picklers}
+        for r in range(rounds):
+            for name in (list(picklers) if r % 2 == 0 else list(picklers)[::-1]):
+                engine, ctx = runs[name]
+                with mock.patch.object(executors, "_pickled", picklers[name]):
+                    started = time.perf_counter()
+                    engine.run_round(ctx, r + 2)
+                    seconds[name].append(time.perf_counter() - started)
+            print(f"  round {r + 2}: plain pickle {seconds['plain pickle'][-1]:.2f}s, "
+                  f"raw bytes {seconds['raw bytes'][-1]:.2f}s", flush=True)
+        for _engine, ctx in runs.values():
+            ctx.executor.close()
+    ratio = statistics.median(new / old for new, old in zip(seconds["raw bytes"], seconds["plain pickle"]))
+    print(f"FedAvg round, 100 clients, B={batch}, process executor: raw bytes / plain pickle, median {ratio:.3f}")
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -38,6 +83,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--public", type=int, default=1000, help="labels in the label-only message (default 1,000)")
+    parser.add_argument("--rounds", type=int, default=0, help="also time this many FedAvg rounds with each pickler")
+    parser.add_argument("--batch", type=int, default=50, help="the rounds' batch size (default 50)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = registry.instantiate(registry.MODEL, "lenet5", {}, "model.name", "model.params").build((3, 32, 32), 10)
@@ -54,6 +101,8 @@ def main(argv=None) -> int:
               f"{median_ms(lambda: pickle.loads(plain), args.repeats):>11.3f} "
               f"{median_ms(lambda: pickle.loads(ours), args.repeats):>17.3f} "
               f"{len(plain):>10} / {len(ours)}")
+    if args.rounds:
+        rounds_with_each_pickler(args.rounds, args.batch)
     return 0
 
 
