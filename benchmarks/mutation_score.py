@@ -55,6 +55,9 @@ TESTS: dict[str, list[str]] = {
     "pfl_core/stateio.py": ["tests/test_stateio.py"],
     "pfl_core/models/zoo.py": ["tests/test_models.py"],
     "pfl_core/executors.py": [f"tests/test_executors.py::{name}" for name in (
+        "test_items_and_results_pickle_tensors_exactly",
+        "test_pickler_sends_a_repeated_tensor_once_and_only_its_own_bytes",
+        "test_pickler_leaves_parameters_and_graph_tensors_to_torch",
         "test_auto_picks_the_pool_only_when_it_pays", "test_a_killed_worker_is_retried_and_the_result_is_unchanged",
         "test_a_worker_that_keeps_dying_stops_the_run_naming_client_and_round",
         "test_a_plugin_error_in_a_worker_reaches_the_server_as_itself",

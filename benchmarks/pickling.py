@@ -9,7 +9,8 @@ unpickled with the plain pickler (torch's own tensor reduction) and with the exe
 With ``--rounds N``, also the whole effect: two runs of round_overhead's FedAvg set-up (LeNet-5,
 100 clients x 500 samples, batch ``--batch``) under the ``process`` executor, one with each
 pickler (its workers forked with it), N rounds each after a warm-up, alternating which goes
-first; it prints each pair and the median of (raw bytes round / plain-pickle round).
+first; it prints each pair (with the parent's CPU seconds in the round and the workers' CPU
+seconds per client) and the median of (raw bytes round / plain-pickle round).
 
     OMP_NUM_THREADS=1 python benchmarks/pickling.py
     OMP_NUM_THREADS=1 python benchmarks/pickling.py --rounds 6 --batch 50
@@ -55,14 +56,19 @@ def rounds_with_each_pickler(rounds: int, batch: int) -> None:
             runs[name] = engine, ctx
         seconds = {name: [] for name in picklers}
         for r in range(rounds):
+            line = []
             for name in (list(picklers) if r % 2 == 0 else list(picklers)[::-1]):
                 engine, ctx = runs[name]
                 with mock.patch.object(executors, "_pickled", picklers[name]):
-                    started = time.perf_counter()
+                    started, parent_cpu = time.perf_counter(), time.process_time()
                     engine.run_round(ctx, r + 2)
                     seconds[name].append(time.perf_counter() - started)
-            print(f"  round {r + 2}: plain pickle {seconds['plain pickle'][-1]:.2f}s, "
-                  f"raw bytes {seconds['raw bytes'][-1]:.2f}s", flush=True)
+                    parent_cpu = time.process_time() - parent_cpu
+                # the workers' CPU seconds per client, as the executor measured them for its chunk sizes
+                (worker_cpu,) = ctx.executor._item_seconds.values()
+                line.append(f"{name} {seconds[name][-1]:.2f}s (parent CPU {parent_cpu:.2f}s, "
+                            f"workers' CPU {worker_cpu:.3f}s per client)")
+            print(f"  round {r + 2}: " + ", ".join(line), flush=True)
         for _engine, ctx in runs.values():
             ctx.executor.close()
     ratio = statistics.median(new / old for new, old in zip(seconds["raw bytes"], seconds["plain pickle"]))
