@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 from unittest import mock
 
 import torch
@@ -28,13 +28,8 @@ from pfl_core.models import zoo
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    fn()  # warm-up
+    return 1e3 * statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def main(argv=None) -> int:

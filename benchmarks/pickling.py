@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 from unittest import mock
 
@@ -76,13 +77,8 @@ def rounds_with_each_pickler(rounds: int, batch: int) -> None:
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    fn()  # warm-up
+    return 1e3 * statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def main(argv=None) -> int:
