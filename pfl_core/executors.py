@@ -449,7 +449,7 @@ class RayExecutor:
         constant, call = split
         ray = self.ray
         if constant["device"].type != "cpu":  # Ray tasks here ask for CPUs only: Ray hides the GPUs from them
-            raise PflError(f"executor.device: '{view.device.type}' with executor.name = 'ray' is not supported; "
+            raise PflError(f"executor.device: '{constant['device'].type}' with executor.name = 'ray' is not supported; "
                            f"use 'sequential' or 'batched' on a GPU")
         if self._runtime is None or any(self._runtime[0][n] is not v for n, v in constant.items()):
             try:
@@ -593,8 +593,6 @@ def _check_reachable(address: str, timeout: float = 3.0) -> None:
     except OSError as exc:
         raise SpecError("executor.address", f"cannot reach Ray at {address!r} ({exc.strerror or exc}); is the "
                                             f"cluster running (ray start --head) and the port open?") from None
-
-
 
 
 # Parameter-samples (model parameters x samples trained) a round needs before a pool pays

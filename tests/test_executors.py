@@ -185,6 +185,21 @@ def test_ray_missing_is_one_line_naming_the_extra(monkeypatch):
     assert str(info.value) == "executor.name: 'ray' needs Ray: pip install -e '.[ray]'"
 
 
+def test_ray_on_a_gpu_device_is_one_line_naming_the_device():
+    """Ray's tasks ask for CPUs only: a run on another device is refused before anything ships."""
+    import types
+
+    from pfl_core.context import ClientView
+
+    facts = {name: None for name in ClientView.READ_ONLY}
+    view = ClientView(types.SimpleNamespace(**{**facts, "device": torch.device("meta")}))
+    ray_executor = executors.RayExecutor.__new__(executors.RayExecutor)  # no Ray needed to refuse
+    ray_executor.ray, ray_executor._runtime = None, None
+    with pytest.raises(PflError) as info:
+        ray_executor._ship(functools.partial(print, view))
+    assert str(info.value).startswith("executor.device: 'meta' with executor.name = 'ray' is not supported")
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray", reason="Ray is not installed (optional extra: pip install -e '.[ray]')")

@@ -266,3 +266,27 @@ def test_a_key_only_some_clients_sent_is_renormalised_over_its_senders_by_hand()
     assert average["x"].item() == pytest.approx(0.2 * 1 + 0.3 * 2 + 0.5 * 4)  # every client: weights as given
     assert average["y"].item() == pytest.approx((0.3 * 10 + 0.5 * 20) / 0.8)  # its two senders, renormalised
     assert partial_average([]) == ({}, {})
+
+
+def test_layer_probe_tries_the_next_input_shape_when_one_is_refused(monkeypatch):
+    """A model that takes only colour images is still probed (its layers counted) before the
+    data is loaded: a refused guess moves on to the next shape, it does not end the probe."""
+    from pfl_core.context import ModelBank
+    from plugins.partial import probe_num_layers
+
+    real_plugin = ModelBank.plugin
+
+    class ColourOnly:  # the spec's model plugin, refusing grey images
+        def __init__(self, plugin):
+            self.plugin = plugin
+
+        def __getattr__(self, name):
+            return getattr(self.plugin, name)
+
+        def build(self, input_shape, num_classes):
+            if input_shape[0] != 3:
+                raise ValueError("colour images only")
+            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 8), torch.nn.Linear(8, 2))
+
+    monkeypatch.setattr(ModelBank, "plugin", lambda self, *args: ColourOnly(real_plugin(self, *args)))
+    assert probe_num_layers(resolve(tiny_raw()).spec, "lenet5") == 2

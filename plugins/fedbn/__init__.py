@@ -38,35 +38,18 @@ The shared/personal bookkeeping (broadcast, receive, keep, upload, average) is
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from pfl_core import SpecError, hookimpl
 from pfl_core.registry import NoParams
 from plugins.fedavg import require_single_architecture
-from plugins.partial import _PROBE_SHAPES, PartialModel, spec_archs
+from plugins.partial import PartialModel, probe_model, spec_archs
 
 
 def batchnorm_keys(model: nn.Module) -> set[str]:
     """The state-dict keys that belong to BatchNorm modules (parameters and statistics)."""
     owners = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     return {key for key in model.state_dict() for owner in owners if key.startswith(f"{owner}.")}
-
-
-def probe_model(spec, arch: str):
-    """``arch`` built on a guessed input shape before any data is loaded (None if none builds)."""
-    from pfl_core.context import ModelBank
-
-    plugin = ModelBank(spec, input_shape=(), num_classes=0, device=torch.device("cpu")).plugin(arch)
-    # On torch's meta device: the structure only, nothing allocated or initialised (a huge
-    # width spent a minute filling gigabytes here before the real build refused it).
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        for shape in _PROBE_SHAPES:
-            try:
-                return plugin.build(shape, 10)
-            except Exception:  # noqa: BLE001 - a shape this model does not take
-                continue
-    return None
 
 
 def model_key(spec) -> str:

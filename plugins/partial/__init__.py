@@ -68,9 +68,8 @@ def resolve_split(num_layers: int, head_layers: Optional[int]) -> int:
     return num_layers - head_layers
 
 
-def probe_num_layers(spec, arch: str) -> Optional[int]:
-    """The number of layers of ``arch`` built on a guessed input shape, before data is loaded
-    (None if no guess builds; ``setup`` checks the real model then)."""
+def probe_model(spec, arch: str):
+    """``arch`` built on a guessed input shape before any data is loaded (None if none builds)."""
     from pfl_core.context import ModelBank
 
     plugin = ModelBank(spec, input_shape=(), num_classes=0, device=torch.device("cpu")).plugin(arch)
@@ -79,11 +78,17 @@ def probe_num_layers(spec, arch: str) -> Optional[int]:
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         for shape in _PROBE_SHAPES:
             try:
-                model = plugin.build(shape, 10)
+                return plugin.build(shape, 10)
             except Exception:  # noqa: BLE001 - a shape this model does not take
                 continue
-            return len(parameterised_layers(model))
     return None
+
+
+def probe_num_layers(spec, arch: str) -> Optional[int]:
+    """The number of layers of ``arch`` built on a guessed input shape, before data is loaded
+    (None if no guess builds; ``setup`` checks the real model then)."""
+    model = probe_model(spec, arch)
+    return None if model is None else len(parameterised_layers(model))
 
 
 def spec_archs(spec) -> list[str]:
@@ -256,4 +261,4 @@ def clone_keys(model: torch.nn.Module, keys) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["PartialModel", "SplitParams", "clone_keys", "clone_state", "only_training", "partial_average",
-           "probe_num_layers", "resolve_split", "spec_archs"]
+           "probe_model", "probe_num_layers", "resolve_split", "spec_archs"]
