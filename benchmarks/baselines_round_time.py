@@ -27,7 +27,7 @@ import time
 import torch
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import evaluate_clients
+from pfl_core.runtime.evaluation import evaluate_clients
 from pfl_core.spec import set_dotted
 
 TINY = {

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pfl_core.context import clone_state
 from pfl_core.engine import Engine, resolve
+from pfl_core.runtime.context import clone_state
 
 SPEEDUP_TARGET = 5.0  # on a GPU
 NUM_CLASSES = 10

@@ -32,8 +32,8 @@ def one_epoch(batch: int, samples: int) -> float:
 
     sys.path.insert(0, str(HERE))
     import round_overhead as ro
-    from pfl_core import registry
 
+    from pfl_core import registry
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)

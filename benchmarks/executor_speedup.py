@@ -39,10 +39,9 @@ import round_overhead as ro  # noqa: E402  (the same data and spec)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from plugins.codistill import predict_logits  # noqa: E402
-from plugins.fedmosaic import adaptive_lambda, expertise_scores  # noqa: E402
-
-from pfl_core.evaluation import evaluate_clients  # noqa: E402
+from pfl_core.methods.codistill import predict_logits  # noqa: E402
+from pfl_core.runtime.evaluation import evaluate_clients  # noqa: E402
+from pfl_plugins.fedmosaic import adaptive_lambda, expertise_scores  # noqa: E402
 
 # FedRep at one epoch of local work per round like the others: 1 head epoch is too little to
 # compare, so 1 head + 1 body epoch (its paper's default is 10 + 1; the ratio does not depend on it).

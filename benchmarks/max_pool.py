@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from pfl_core import registry
-from pfl_core.evaluation import score
 from pfl_core.models import zoo
+from pfl_core.runtime.evaluation import score
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -200,7 +200,7 @@ def run_tests_in_child(copy: Path, tests: list[str], timeout: float) -> tuple[st
             code = pytest.main([*tests, *PYTEST_FLAGS, "--rootdir", str(copy)])
             import plugins  # noqa: F401  the copy, not the checkout, was tested
 
-            if not Path(plugins.__file__).resolve().is_relative_to(copy.resolve()):
+            if not Path(pfl_plugins.__file__).resolve().is_relative_to(copy.resolve()):
                 code = 99
         except BaseException:
             code = 98

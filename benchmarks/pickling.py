@@ -32,8 +32,9 @@ from unittest import mock
 
 import torch
 
-from pfl_core import executors, registry
-from pfl_core.executors import _pickled
+from pfl_core import registry
+from pfl_core.execution import executors
+from pfl_core.execution.executors import _pickled
 
 
 def plain_pickled(item) -> bytes:

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import evaluate_clients
+from pfl_core.runtime.evaluation import evaluate_clients
 
 TRAIN_PER_CLIENT = 500
 TEST_PER_CLIENT = 100  # default: 20% of the 500 training samples (--test-per-client)

@@ -1,10 +1,9 @@
 """pfl: personalized federated learning as plugins."""
 
-from .errors import DataError, PflError, SpecError
-from .hookspecs import hookimpl
-from .registry import ADDON, ALGORITHM, DATASET, MODEL, PARTITIONER, NoParams, Plugin
-
-__version__ = "0.1.0"
+from pfl_core._version import __version__ as __version__
+from pfl_core.errors import DataError, PflError, SpecError
+from pfl_core.registry import ADDON, ALGORITHM, DATASET, MODEL, PARTITIONER, NoParams, Plugin
+from pfl_core.registry.hookspecs import hookimpl
 
 __all__ = [
     "ADDON",

@@ -12,13 +12,13 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cli import one_line_error, run_cli, write_spec
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core import registry
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from test_cli import one_line_error, run_cli, write_spec
-from tiny import tiny_raw
 
 
 def prepared(**overrides):
@@ -68,7 +68,7 @@ def train_reference(ctx, client_id, state, *, trainable=None, epochs=None, loss_
 
 
 def mean_of(pairs, keys=None):
-    """sum_i w_i * state_i[key], written out (not pfl_core.aggregate)."""
+    """sum_i w_i * state_i[key], written out (not pfl_core.runtime.aggregate)."""
     pairs = list(pairs)
     keys = list(pairs[0][1]) if keys is None else keys
     return {k: sum(w * s[k].double() for w, s in pairs).float() for k in keys}
@@ -103,7 +103,7 @@ def model_bytes(state, keys=None):
 def recorded_training(monkeypatch):
     """Record every ``Client.train`` call: the model's state before and after, which
     parameters could train, and the epochs asked for."""
-    from pfl_core.context import Client
+    from pfl_core.runtime.context import Client
 
     calls = []
     original = Client.train

@@ -27,8 +27,8 @@ def _kill(sig=signal.SIGKILL) -> None:
 
 
 def arm(point: str) -> None:
-    from pfl_core import context, engine
-
+    from pfl_core.engine import engine
+    from pfl_core.runtime import context
     kind, *where = point.split(":")
     numbers = [int(w) for w in where]
     if kind in ("round", "sigterm", "no-rounds"):

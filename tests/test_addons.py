@@ -5,14 +5,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from pfl_core import Plugin, hookimpl
-from pfl_core.errors import SpecError
-from pfl_core.engine import resolve
-from pfl_core.registry import make_plugin_manager
-from plugins.corrupted_clients import CorruptedClients, CorruptedClientsParams, flip
 from harness import prepared
 from tiny import run_tiny, tiny_raw
+
+from pfl_core import Plugin, hookimpl
+from pfl_core.engine import resolve
+from pfl_core.errors import SpecError
+from pfl_core.registry import make_plugin_manager
+from pfl_plugins.corrupted_clients import CorruptedClients, CorruptedClientsParams, flip
 
 LEARNABLE = {"experiment.rounds": 5, "training.local_epochs": 2, "data.params.samples_per_device": 200}
 

@@ -1,8 +1,8 @@
-"""pfl_core.aggregate.weighted_average, hand-computed on two- and three-client states."""
+"""pfl_core.runtime.aggregate.weighted_average, hand-computed on two- and three-client states."""
 
 import torch
 
-from pfl_core.aggregate import weighted_average
+from pfl_core.runtime.aggregate import weighted_average
 
 
 def states():

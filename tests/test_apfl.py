@@ -5,15 +5,24 @@ onto [0, 1], the evaluated mixture, bytes, budget, bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+    state_of,
+)
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.training import batch_order, batch_starts
-from pfl_core.evaluation import evaluated_models
-from plugins.apfl import APFL, APFLParams, alpha_step, mixture, mixture_gradients
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key, state_of)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_core.runtime.training import batch_order, batch_starts
+from pfl_plugins.apfl import APFL, APFLParams, alpha_step, mixture, mixture_gradients
 
 APFL_RAW = {"algorithm.name": "apfl", "model.params.hidden": [8], "experiment.rounds": 3}
 

@@ -7,11 +7,10 @@ import zipfile
 
 import numpy as np
 import pytest
-
-from pfl_core import spec as spec_module
-from pfl_core.spec import dump_toml
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
+
+from pfl_core.spec import dump_toml, tomlio
 
 BIG = "1" + "0" * 400  # a 401-digit integer
 
@@ -52,7 +51,7 @@ def test_spec_path_that_is_a_directory_or_missing(tmp_path, capsys):
 
 
 def test_spec_file_too_large_to_be_a_spec(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(spec_module, "MAX_SPEC_BYTES", 1000)
+    monkeypatch.setattr(tomlio, "MAX_SPEC_BYTES", 1000)
     expect_error(capsys, [raw_text(tmp_path, "# " + "x" * 2000 + "\n")], "", "larger than")
 
 

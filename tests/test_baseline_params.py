@@ -14,12 +14,12 @@ import math
 import attrs
 import numpy as np
 import pytest
+from test_cli import one_line_error, run_cli, write_spec
+from tiny import tiny_raw
 
 from pfl_core import registry
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from test_cli import one_line_error, run_cli, write_spec
-from tiny import tiny_raw
 
 # What each method needs beyond the tiny spec to resolve with its defaults.
 BASE = {

@@ -1,10 +1,10 @@
 """FedAvg, FedProx, Local, Centralized: equivalences, communication, state, seeding."""
 
 import torch
-
-from pfl_core.executors import SequentialExecutor
-from pfl_core.engine import Engine, resolve
 from tiny import run_tiny, tiny_raw
+
+from pfl_core.engine import Engine, resolve
+from pfl_core.execution.executors import SequentialExecutor
 
 
 def assert_same_state(a, b):
@@ -122,7 +122,7 @@ def test_coldstart_clients_never_train_and_are_scored_separately():
 def test_coldstart_with_zero_epochs_scores_the_global_model():
     result, engine = run_tiny(**{"experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 0,
                                  "data.params.num_devices": 5, "partition.num_clients": 5})
-    from pfl_core.evaluation import evaluated_models, score
+    from pfl_core.runtime.evaluation import evaluated_models, score
 
     client = engine.ctx.client(engine.ctx.coldstart_clients[0])
     model = evaluated_models(engine.ctx, client)[""]  # FedAvg's: the global model
@@ -139,7 +139,6 @@ ALIASES = {"perfed_ckt": "comet"}  # an entry point that names another plugin's 
 def test_each_baseline_class_carries_its_entry_point_name():
     """The name a plugin reports (registration, messages) is the one a spec uses."""
     from pfl_core import registry
-
     for name in BASELINES:
         cls = registry.plugin_class(name)
         assert cls.name == name
@@ -152,7 +151,6 @@ def test_every_built_in_plugin_carries_its_entry_point_name():
     from importlib.metadata import distribution
 
     from pfl_core import registry
-
     entry_points = [ep for ep in distribution("pfl").entry_points if ep.group == registry.ENTRY_POINT_GROUP]
     assert len(entry_points) > 30
     for ep in entry_points:

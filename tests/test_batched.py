@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from harness import dry_run_error, fresh_model, prepared
-from pfl_core.batched import train_together
-from pfl_core.engine import Engine, resolve
-from pfl_core.errors import SpecError
 from test_executors import assert_identical, metrics_of
 from tiny import tiny_raw
+
+from pfl_core.engine import Engine, resolve
+from pfl_core.errors import SpecError
+from pfl_core.execution.batched import train_together
 
 ATOL = 1e-5  # on every final weight; accuracies must be equal
 

@@ -2,11 +2,11 @@
 training clients only, evaluated on every training client's test split, no communication."""
 
 import torch
-
-from pfl_core.evaluation import evaluate_clients, score
-from pfl_core.seeding import torch_generator
-from pfl_core.training import make_optimizer, run_epochs
 from harness import assert_close, cross_entropy, far_apart, fresh_model, prepared, shrink
+
+from pfl_core.runtime.evaluation import evaluate_clients, score
+from pfl_core.runtime.training import make_optimizer, run_epochs
+from pfl_core.seeding import torch_generator
 
 CENTRAL = {"algorithm.name": "centralized", "model.params.hidden": [], "experiment.rounds": 2,
            "data.params.num_devices": 5, "partition.num_clients": 5, "experiment.coldstart_clients": 1}

@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pfl_core.spec import dump_toml
-from pfl_core.cli import main, run_main
 from tiny import tiny_raw
+
+from pfl_core.cli import main, run_main
+from pfl_core.spec import dump_toml
 
 BIN = Path(sys.executable).parent
 
@@ -154,8 +154,7 @@ def test_pfl_version_and_bare_pfl_print_usage_not_an_error(capsys):
 
 
 def test_an_internal_error_is_one_line_and_the_traceback_only_with_debug(tmp_path, capsys, monkeypatch):
-    from pfl_core import runner
-
+    from pfl_core.study import runner
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero in a plugin")
 
@@ -220,7 +219,7 @@ def test_malformed_sweep_options_are_one_line(tmp_path, capsys, args, key):
 def test_pfl_plugins_name_shows_docstring_parameters_and_hooks(capsys):
     assert main(["plugins", "fedprox"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fedprox  (algorithm, plugins.fedprox:FedProx")
+    assert out.startswith("fedprox  (algorithm, pfl_plugins.fedprox:FedProx")
     assert "proximal" in out  # the docstring
     assert "parameters (algorithm.params):" in out
     assert "  mu: float = 0.01  [finite, >= 0]" in out  # type, default, validation (docgen's text)

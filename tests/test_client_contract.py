@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from harness import NEEDS, builtin_algorithms
-from pfl_core import hookimpl, registry
-from pfl_core.context import ClientContractError, ClientView
-from pfl_core.engine import Engine, resolve
 from tiny import tiny_raw
+
+from pfl_core import hookimpl, registry
+from pfl_core.engine import Engine, resolve
+from pfl_core.runtime.context import ClientContractError, ClientView
 
 CLIENT_HOOKS = ("on_receive", "local_train", "local_objective", "client_upload", "personalized_models",
                 "coldstart_personalize")
@@ -85,7 +85,7 @@ def test_client_hooks_touch_nothing_of_the_server(monkeypatch, name):
 def test_a_client_hook_reading_the_server_state_is_refused(monkeypatch):
     """The check itself: a method whose client reads ``ctx.server`` fails the run, naming the
     attribute and where the client gets it from instead."""
-    from plugins.fedavg import FedAvg
+    from pfl_plugins.fedavg import FedAvg
 
     def peeking_on_receive(self, ctx, client, message):
         ctx.server["global"]  # what the message already carries

@@ -6,11 +6,13 @@ import io
 
 import numpy as np
 import pytest
-
-from pfl_core import Plugin, hookimpl, plots, registry
-from pfl_core.engine import Engine, client_aggregates, resolve
-from pfl_core.tracking import NullTracker, log_accuracy_distribution
 from tiny import tiny_raw
+
+from pfl_core import Plugin, hookimpl, registry
+from pfl_core.engine import Engine, resolve
+from pfl_core.engine.engine import client_aggregates
+from pfl_core.tracking import plots
+from pfl_core.tracking.tracker import NullTracker, log_accuracy_distribution
 
 
 class Recording(NullTracker):

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import run_tiny, tiny_raw
 
-from pfl_core.context import load_state
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import evaluated_models
-from plugins.codistill import predict
-from plugins.comet import kmeans
-from tiny import run_tiny, tiny_raw
+from pfl_core.methods.codistill import predict
+from pfl_core.runtime.context import load_state
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins.comet import kmeans
 
 SMALL = {"public.size": 60, "experiment.rounds": 1, "model.arch_params": {}, "algorithm.name": "comet"}
 

@@ -2,16 +2,15 @@
 
 import pytest
 import torch
+from harness import NEEDS, builtin_algorithms
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core import Plugin, hookimpl, registry
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.registry import make_plugin_manager
-from pfl_core.training import batch_starts, run_epochs
-from harness import NEEDS, builtin_algorithms
-from tiny import tiny_raw
-
+from pfl_core.runtime.training import batch_starts, run_epochs
 
 # -- mini-batches and the last partial batch -----------------------------------------------
 
@@ -153,8 +152,8 @@ def test_a_diverging_run_stops_naming_round_client_method_and_the_fix(algorithm)
 
 
 def test_a_nonfinite_upload_is_caught_even_when_the_loss_looked_finite():
-    from pfl_core.engine import check_finite
     from pfl_core.errors import NonFiniteError
+    from pfl_core.runtime.client import check_finite
 
     check_finite({"weights": {"w": torch.ones(3)}, "n": 3})
     with pytest.raises(NonFiniteError):

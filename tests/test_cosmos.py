@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import run_tiny, tiny_raw
 
-import plugins.codistill as codistill
-import plugins.cosmos as cosmos
+import pfl_core.methods.codistill as codistill
+import pfl_plugins.cosmos as cosmos
 from pfl_core import hookimpl
 from pfl_core.cli import run_main
-from pfl_core.context import Client, clone_state, load_state
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import score
-from plugins.codistill import kl_to_target, mean_l1_distances, predict
-from plugins.cosmos import CosmosParams, augment, auto_clusters, eq1_distill, greedy_clusters
-from tiny import run_tiny, tiny_raw
+from pfl_core.methods.codistill import kl_to_target, mean_l1_distances, predict
+from pfl_core.runtime.context import Client, clone_state, load_state
+from pfl_core.runtime.evaluation import score
+from pfl_plugins.cosmos import CosmosParams, augment, auto_clusters, eq1_distill, greedy_clusters
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"public.size": 60, "experiment.rounds": 2, "model.arch_params": {},
@@ -430,7 +430,7 @@ def test_runs_on_cuda(tmp_path, name, params):
 
 
 def test_uploaded_predictions_are_the_softmax_of_the_logits_over_t_by_hand():
-    from plugins.codistill import predict
+    from pfl_core.methods.codistill import predict
 
     model = hand_set_linear()
     x = torch.tensor([[0.5, -1.0], [1.0, 2.0]])

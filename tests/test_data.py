@@ -12,7 +12,6 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-
 from fakes import (
     torchvision_md5_bypass,
     write_fake_cifar10,
@@ -20,12 +19,12 @@ from fakes import (
     write_fake_emnist,
     write_fake_mnist,
 )
+
 from pfl_core import registry
 from pfl_core.data import apportion, build_federated_data, stratified_split
 from pfl_core.data import datasets as ds
 from pfl_core.errors import DataError, SpecError
 from pfl_core.spec import Spec, structure
-
 
 # ---------------------------------------------------------------------------
 # helpers

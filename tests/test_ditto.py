@@ -7,14 +7,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    linear,
+    model_bytes,
+    prepared,
+    recorded_training,
+    refused_at_key,
+    state_of,
+    train_reference,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from plugins.ditto import Ditto, DittoParams
-from plugins.fedprox import proximal_term
-from harness import (assert_close, assert_same, dry_run_error, far_apart, linear, model_bytes, prepared,
-                     recorded_training, refused_at_key, state_of, train_reference)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
+from pfl_plugins.ditto import Ditto, DittoParams
+from pfl_plugins.fedprox import proximal_term
 
 LINEAR = {"algorithm.name": "ditto", "model.params.hidden": [], "experiment.rounds": 2}
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from pfl_core import docgen, registry
+from pfl_core import registry
 from pfl_core.cli import main
+from pfl_core.registry import docgen
 from pfl_core.spec import at_least, between, finite, greater_than, one_of
 
 if sys.version_info >= (3, 11):

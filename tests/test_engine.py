@@ -14,15 +14,18 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from pfl_core import Plugin, hookimpl, plots, registry
-from pfl_core.context import load_state
-from pfl_core.engine import Engine, pick_device, resolve, table_csv
-from pfl_core.errors import PflError
-from pfl_core.evaluation import evaluate_clients
-from pfl_core.seeding import derive_seed, numpy_rng
-from pfl_core.tracking import NullTracker, flatten
 from tiny import tiny_raw
+
+from pfl_core import Plugin, hookimpl, registry
+from pfl_core.engine import Engine, resolve
+from pfl_core.engine.engine import pick_device
+from pfl_core.errors import PflError
+from pfl_core.runtime.context import load_state
+from pfl_core.runtime.evaluation import evaluate_clients
+from pfl_core.seeding import derive_seed, numpy_rng
+from pfl_core.tracking import plots
+from pfl_core.tracking.tables import table_csv
+from pfl_core.tracking.tracker import NullTracker, flatten
 
 
 @pytest.fixture(autouse=True)
@@ -728,7 +731,7 @@ def test_a_non_finite_upload_names_its_round_client_method_and_lr():
 
 
 def test_progress_is_told_every_round_with_metrics_only_when_scored(monkeypatch):
-    import pfl_core.engine as engine_module
+    import pfl_core.engine.engine as engine_module
 
     made = []
 
@@ -780,7 +783,7 @@ def test_run_result_defaults():
 
 
 def test_summary_metrics_by_hand():
-    from pfl_core.evaluation import summarize
+    from pfl_core.runtime.evaluation import summarize
 
     m = summarize([0.5, 1.0, 0.75, 0.25], [1.0, 2.0, 3.0, 4.0], prefix="p_")
     assert m["p_acc_mean"] == pytest.approx(0.625)
@@ -793,7 +796,7 @@ def test_summary_metrics_by_hand():
 
 
 def test_score_counts_correct_argmax_and_summed_loss_in_eval_mode_then_restores_the_mode():
-    from pfl_core.evaluation import score
+    from pfl_core.runtime.evaluation import score
 
     class Fixed(torch.nn.Module):
         """Logits = x itself; a dropout that would zero everything in train mode."""

@@ -12,13 +12,14 @@ import sys
 
 import pytest
 import torch
-
 from harness import NEEDS, builtin_algorithms, dry_run_error
-from pfl_core import executors, hookimpl
+from tiny import tiny_raw
+
+from pfl_core import hookimpl
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError
+from pfl_core.execution import executors
 from pfl_core.spec import ExecutorSection, dump_toml
-from tiny import tiny_raw
 
 WALL_CLOCK = ("round_seconds", "eval_seconds")
 
@@ -79,7 +80,7 @@ def test_worker_count_does_not_change_results():
 def kill_once(marker, client_id, round):
     """A local_train that SIGKILLs its own worker the first time it runs ``client_id`` in
     ``round`` (the marker file remembers across the forked workers)."""
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
     original = CoreDefaults.local_train
 
     def local_train(self, ctx, client):
@@ -93,7 +94,7 @@ def kill_once(marker, client_id, round):
 
 def kill_always(monkeypatch, client_id, round):
     """A local_train that SIGKILLs its own worker whenever it runs ``client_id`` in ``round``."""
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
     original = CoreDefaults.local_train
 
     def always_dies(self, ctx, client):
@@ -106,7 +107,7 @@ def kill_always(monkeypatch, client_id, round):
 
 def test_a_killed_worker_is_retried_and_the_result_is_unchanged(tmp_path, monkeypatch):
     clean, _ = run("fedavg", {"name": "sequential"})
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
     monkeypatch.setattr(CoreDefaults, "local_train", kill_once(str(tmp_path / "died"), 2, 2))
     retried, _ = run("fedavg", {"name": "process", "workers": 2, "retries": 1})
     assert (tmp_path / "died").exists()  # the worker did die once
@@ -122,7 +123,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_naming_client_and_round(tmp_pat
 
 
 def test_a_plugin_error_in_a_worker_reaches_the_server_as_itself(monkeypatch):
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
 
     def broken(self, ctx, client):
         raise ZeroDivisionError("plugin bug")
@@ -189,7 +190,7 @@ def test_ray_on_a_gpu_device_is_one_line_naming_the_device():
     """Ray's tasks ask for CPUs only: a run on another device is refused before anything ships."""
     import types
 
-    from pfl_core.context import ClientView
+    from pfl_core.runtime.context import ClientView
 
     facts = {name: None for name in ClientView.READ_ONLY}
     view = ClientView(types.SimpleNamespace(**{**facts, "device": torch.device("meta")}))
@@ -246,7 +247,7 @@ def test_ray_runs_client_work_in_workers_and_other_functions_here_in_order(local
 
 
 def test_ray_plugin_error_reaches_the_server_as_itself(local_ray, monkeypatch):
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
 
     def broken(self, ctx, client):
         raise ZeroDivisionError("plugin bug")
@@ -259,7 +260,7 @@ def test_ray_plugin_error_reaches_the_server_as_itself(local_ray, monkeypatch):
 # (after the other tests: the workers these kill take seconds to start again)
 def test_ray_retries_a_killed_worker_and_the_result_is_unchanged(local_ray, tmp_path, monkeypatch):
     clean, _ = run("fedavg", {"name": "sequential"})
-    from pfl_core.defaults import CoreDefaults
+    from pfl_core.registry.defaults import CoreDefaults
     monkeypatch.setattr(CoreDefaults, "local_train", kill_once(str(tmp_path / "died"), 2, 2))
     retried, _ = run("fedavg", {"name": "ray", "retries": 1})
     assert (tmp_path / "died").exists()  # the worker did die once
@@ -311,7 +312,7 @@ def test_workers_die_with_a_killed_run(tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "sys.path[:0] = [%r, %r]\n"
-        "from pfl_core.executors import ProcessExecutor\n"
+        "from pfl_core.execution.executors import ProcessExecutor\n"
         "def slow(i):\n"
         "    print(os.getpid(), flush=True)\n"
         "    time.sleep(60)\n"
@@ -336,7 +337,7 @@ def test_the_parent_imports_what_the_first_optimiser_step_would_before_forking()
     import subprocess
     import sys
     code = ("import sys, torch\n"
-            "from pfl_core.executors import ProcessExecutor\n"
+            "from pfl_core.execution.executors import ProcessExecutor\n"
             "assert 'torch._dynamo' not in sys.modules\n"
             "assert list(ProcessExecutor(2).map(abs, [-1, -2])) == [1, 2]\n"
             "print('torch._dynamo' in sys.modules)\n")

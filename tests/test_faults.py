@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
-
 from harness import assert_close, mean_of, prepared, shrink, train_reference
-from pfl_core import Plugin, hookimpl
-from pfl_core.engine import Engine, resolve
-from pfl_core.seeding import numpy_rng
-from pfl_core.training import batch_starts, run_epochs
 from test_core_loop import NEEDS, builtin_algorithms
 from tiny import run_tiny, tiny_raw
+
+from pfl_core import Plugin, hookimpl
+from pfl_core.engine import Engine, resolve
+from pfl_core.runtime.training import batch_starts, run_epochs
+from pfl_core.seeding import numpy_rng
 
 DROPOUT = "dropout"
 STRAGGLERS = "stragglers"

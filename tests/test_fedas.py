@@ -8,14 +8,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+)
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import evaluated_models
-from plugins.fedas import FedAS, FedASParams, alignment_loss, fisher_trace
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins.fedas import FedAS, FedASParams, alignment_loss, fisher_trace
 
 BASE = {"algorithm.name": "fedas", "model.params.hidden": [8], "experiment.rounds": 2}
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]

@@ -6,14 +6,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import (
+    assert_close,
+    assert_same,
+    far_apart,
+    fresh_model,
+    mean_of,
+    model_bytes,
+    prepared,
+    recorded_training,
+    shrink,
+    train_reference,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import evaluated_models, score
-from plugins.fedavg import FedAvg
-from harness import (assert_close, assert_same, far_apart, fresh_model, mean_of, model_bytes, prepared,
-                     recorded_training, shrink, train_reference)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models, score
+from pfl_plugins.fedavg import FedAvg
 
 LINEAR = {"model.params.hidden": [], "experiment.rounds": 2}  # one Linear(20, 10) layer
 
@@ -127,7 +137,7 @@ def test_the_evaluated_model_is_the_global_model():
 def test_every_clients_accuracy_is_the_global_models_on_its_test_split():
     engine, ctx = prepared(**LINEAR)
     engine.run_round(ctx, 1)
-    from pfl_core.evaluation import evaluate_clients
+    from pfl_core.runtime.evaluation import evaluate_clients
 
     _, rows = evaluate_clients(ctx)
     reference = fresh_model(ctx, ctx.server["global"])

@@ -4,17 +4,27 @@ evaluated, bytes = exactly the non-BatchNorm bytes, a model without BatchNorm re
 
 import pytest
 import torch
+from harness import (
+    assert_close,
+    assert_same,
+    far_apart,
+    mean_of,
+    model_bytes,
+    prepared,
+    recorded_training,
+    shrink,
+    state_of,
+    train_reference,
+)
+from test_cli import one_line_error, run_cli, write_spec
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.zoo import ResNet18
-from pfl_core.evaluation import evaluated_models
-from plugins import fedbn as fedbn_module
-from plugins.fedbn import FedBN, batchnorm_keys
-from harness import assert_close, assert_same, far_apart, mean_of, model_bytes, prepared, recorded_training, \
-    shrink, state_of, train_reference
-from test_cli import one_line_error, run_cli, write_spec
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins import fedbn as fedbn_module
+from pfl_plugins.fedbn import FedBN, batchnorm_keys
 
 BN_MLP = {"model.params": {"hidden": [8], "norm": "batch"}}
 RAW = {"algorithm.name": "fedbn", "experiment.rounds": 2, **BN_MLP}

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-
-from pfl_core.context import Client, load_state
-from pfl_core.errors import SpecError
-from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import score
-from plugins.fedmd import FedMD, FedMDParams
 from tiny import run_tiny, tiny_raw
+
+from pfl_core.engine import Engine, resolve
+from pfl_core.errors import SpecError
+from pfl_core.runtime.context import Client, load_state
+from pfl_core.runtime.evaluation import score
+from pfl_plugins.fedmd import FedMD, FedMDParams
 
 torch.set_num_threads(1)  # tiny models: thread contention dominates on a loaded 2-core machine
 

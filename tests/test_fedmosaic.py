@@ -7,21 +7,32 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import run_tiny, tiny_raw
 
-from pfl_core.spec import dump_toml
-from pfl_core.cli import run_main
 from pfl_core import Plugin, hookimpl
-from pfl_core.context import load_state
+from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import score
+from pfl_core.methods.codistill import predict_logits
 from pfl_core.payload import nbytes
-from pfl_core.tracking import NullTracker
-from plugins.fedct import FedCT, FedCTParams
-from plugins.fedmosaic import (FedMosaic, FedMosaicParams, adaptive_lambda, consensus, consensus_scores,
-                               dequantise, expertise_scores, mean_loss, public_batches, quantise, tie_share)
-from plugins.codistill import predict_logits
-from tiny import run_tiny, tiny_raw
+from pfl_core.runtime.context import load_state
+from pfl_core.runtime.evaluation import score
+from pfl_core.spec import dump_toml
+from pfl_core.tracking.tracker import NullTracker
+from pfl_plugins.fedct import FedCT, FedCTParams
+from pfl_plugins.fedmosaic import (
+    FedMosaic,
+    FedMosaicParams,
+    adaptive_lambda,
+    consensus,
+    consensus_scores,
+    dequantise,
+    expertise_scores,
+    mean_loss,
+    public_batches,
+    quantise,
+    tie_share,
+)
 
 # The engine's tiny MLP steps are dominated by thread contention on a loaded 2-core machine.
 torch.set_num_threads(1)

@@ -8,14 +8,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import evaluated_models
-from plugins.fedpac import FedPAC, FedPACParams, combination_weights, combine, feature_statistics
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins.fedpac import FedPAC, FedPACParams, combination_weights, combine, feature_statistics
 
 BASE = {"algorithm.name": "fedpac", "model.params.hidden": [8], "experiment.rounds": 2}
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]
@@ -234,7 +242,8 @@ def test_a_round_recomputed_independently():
 
 def test_the_head_is_the_last_layer():
     from torch import nn
-    from plugins.fedpac import head_keys
+
+    from pfl_plugins.fedpac import head_keys
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
     assert head_keys(model) == ["4.weight", "4.bias"]
 
@@ -327,7 +336,7 @@ def test_a_model_without_a_feature_extractor_is_refused_at_model_name(monkeypatc
     with pytest.raises(SpecError) as info:
         resolve(raw)  # before any data is loaded
     assert str(info.value) == expected
-    monkeypatch.setattr("plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
+    monkeypatch.setattr("pfl_plugins.fedpac.probe_num_layers", lambda spec, arch: None)  # a model the probe cannot build
     engine = Engine(resolve(raw), progress=False)
     with pytest.raises(SpecError) as info:
         engine.run()  # then setup, on the real model

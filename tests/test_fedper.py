@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import evaluated_models
-from tiny import run_tiny, tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
 
 FAST = {"experiment.rounds": 2}
 
@@ -52,7 +52,7 @@ def prepared(**overrides):
 
 
 def test_fedper_trains_body_and_head_jointly_for_local_epochs():
-    from pfl_core.context import clone_state
+    from pfl_core.runtime.context import clone_state
     engine, ctx = prepared(**{"training.local_epochs": 2})
     ctx.round = 1
     client = ctx.client(1)

@@ -7,13 +7,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    model_bytes,
+    prepared,
+    recorded_training,
+    refused_at_key,
+    train_reference,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.evaluation import evaluated_models
-from plugins.fedphp import FedPHP, FedPHPParams, distillation, inheritance, mmd, moving_average
-from harness import (assert_close, assert_same, dry_run_error, far_apart, model_bytes, prepared, recorded_training,
-                     refused_at_key, train_reference)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins.fedphp import FedPHP, FedPHPParams, distillation, inheritance, mmd, moving_average
 
 BASE = {"algorithm.name": "fedphp", "model.params.hidden": [8], "experiment.rounds": 2}
 
@@ -188,8 +197,8 @@ def test_the_batch_loss_is_one_minus_lambda_ce_plus_lambda_transfer():
     plugin = next(p for p in engine.resolved.plugins if isinstance(p, FedPHP))
     ctx.hooks.on_receive(ctx=ctx, client=client, message=ctx.hooks.on_broadcast(ctx=ctx, client_id=0))
     hpm = ctx.store[0]["hpm"]
-    from pfl_core.context import load_state
-    from plugins.fedproto import capture_embedding
+    from pfl_core.runtime.context import load_state
+    from pfl_plugins.fedproto import capture_embedding
     client.scratch["teacher"] = load_state(ctx.models.build("mlp"), hpm).eval()
     x, y = client.data.train_x[:10], client.data.train_y[:10]
     with capture_embedding(client.model, client.scratch):

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 from torch import nn
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from plugins.fedproto import NearestPrototype, aggregate_prototypes, local_prototypes
-from tiny import run_tiny, tiny_raw
+from pfl_plugins.fedproto import NearestPrototype, aggregate_prototypes, local_prototypes
 
 
 def identity_net():
@@ -64,8 +64,8 @@ import types  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pfl_core.engine import Engine  # noqa: E402
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from plugins.fedproto import FedProto, capture_embedding  # noqa: E402
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
+from pfl_plugins.fedproto import FedProto, capture_embedding  # noqa: E402
 
 
 def test_regulariser_sign_and_size_by_hand():
@@ -164,7 +164,7 @@ def test_coldstart_trains_with_the_regulariser_and_is_scored_by_prototypes():
 
 
 def test_the_default_lambda_is_the_papers_one_and_zero_is_allowed():
-    from plugins.fedproto import FedProtoParams
+    from pfl_plugins.fedproto import FedProtoParams
 
     assert FedProtoParams().lam == 1.0  # the documented default weight of Eq. 5's prototype term
     assert resolve(tiny_raw(**{"algorithm.name": "fedproto", "algorithm.params.lam": 0.0})).spec.algorithm.name == "fedproto"

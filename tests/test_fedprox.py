@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import assert_close, far_apart, linear, mean_of, prepared, recorded_training, train_reference
+from tiny import tiny_raw
 
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
-from plugins.fedprox import FedProx, FedProxParams
-from harness import assert_close, far_apart, linear, mean_of, prepared, recorded_training, train_reference
-from tiny import tiny_raw
+from pfl_plugins.fedprox import FedProx, FedProxParams
 
 LINEAR = {"model.params.hidden": [], "experiment.rounds": 2, "algorithm.name": "fedprox"}
 
@@ -93,7 +93,7 @@ def test_a_round_is_fedavg_of_clients_minimising_the_proximal_objective(rounds):
 
 
 def test_each_client_anchors_at_the_global_model_even_after_another_client_trained(monkeypatch):
-    from pfl_core.context import Client
+    from pfl_core.runtime.context import Client
 
     engine, ctx = prepared(**LINEAR, **{"algorithm.params.mu": 1.0})
     engine.run_round(ctx, 1)

@@ -3,14 +3,14 @@ is sent and averaged with sample weights; the head never leaves; budget and cold
 
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 
 from pfl_core import seeding
-from pfl_core.context import clone_state
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.training import make_optimizer, run_epochs
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from tiny import run_tiny, tiny_raw
+from pfl_core.runtime.context import clone_state
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
+from pfl_core.runtime.training import make_optimizer, run_epochs
 
 BODY, HEAD = {"fc1.weight", "fc1.bias"}, {"fc2.weight", "fc2.bias"}  # mlp [16]: fc1 body, fc2 head
 
@@ -165,7 +165,7 @@ def test_bad_epochs_name_the_key():
 
 
 def test_defaults_are_the_papers():
-    from plugins.fedrep import FedRep
+    from pfl_plugins.fedrep import FedRep
     p = FedRep().params
     assert (p.head_epochs, p.body_epochs, p.head_layers, p.average) == (10, 1, 1, "samples")
 

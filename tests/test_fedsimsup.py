@@ -7,18 +7,26 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_raw
 
 from pfl_core import seeding
 from pfl_core.cli import run_main
-from pfl_core.context import clone_state, load_state
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.zoo import LeNet5
-from pfl_core.training import make_optimizer, run_epochs
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from plugins.fedsimsup import (FedSimSup, Summed, beta_schedule, cosine_similarity, label_proportions, lambdas,
-                               mix_non_participants, mixing_weights)
-from tiny import tiny_raw
+from pfl_core.runtime.context import clone_state, load_state
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
+from pfl_core.runtime.training import make_optimizer, run_epochs
+from pfl_plugins.fedsimsup import (
+    FedSimSup,
+    Summed,
+    beta_schedule,
+    cosine_similarity,
+    label_proportions,
+    lambdas,
+    mix_non_participants,
+    mixing_weights,
+)
 
 SUP = {"algorithm.name": "fedsimsup", "algorithm.params.supervisor": "mlp",
        "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": [4]}}}
@@ -145,7 +153,7 @@ def test_r_equal_one_is_local_training_of_the_summed_model_bit_for_bit():
     spec = ctx.spec
     for i in range(4):
         theta = ctx.models.build("mlp")
-        from plugins.fedsimsup import build_supervisor
+        from pfl_plugins.fedsimsup import build_supervisor
         sup = build_supervisor(ctx, "mlp", "algorithm")
         data = ctx.data.clients[i]
         ce = lambda model, x, y, logits: F.cross_entropy(logits, y)  # noqa: E731
@@ -307,7 +315,7 @@ def test_evaluated_model_is_the_sum_of_theta_and_the_supervisor():
     for i in (ctx.participants[0], sat_out):
         model = evaluated_models(ctx, ctx.client(i))[""]
         inter = load_state(ctx.models.build("mlp"), ctx.server["theta"][i])
-        from plugins.fedsimsup import build_supervisor
+        from pfl_plugins.fedsimsup import build_supervisor
         sup = build_supervisor(ctx, "mlp", "algorithm")
         if i in ctx.participants:
             load_state(sup, ctx.store[i]["supervisor"])
@@ -385,7 +393,7 @@ def test_local_work_is_both_phases_and_matches_what_runs():
 
 # -- cold start -------------------------------------------------------------------------------
 
-from plugins.fedsimsup import build_supervisor, coldstart_schedule, newcomer_theta  # noqa: E402
+from pfl_plugins.fedsimsup import build_supervisor, coldstart_schedule, newcomer_theta  # noqa: E402
 
 COLD = {"experiment.coldstart_clients": 1, "experiment.participation": 0.5, "experiment.rounds": 2,
         "partition.scheme": "dirichlet", "partition.params": {"alpha": 0.5}}

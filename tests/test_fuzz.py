@@ -454,8 +454,9 @@ def must_fail(case: Case) -> str:
 
 def allowed_heads(case: Case) -> set[str]:
     """First parts of the key paths an error line may start with."""
-    from pfl_core.spec import Spec
     import attrs
+
+    from pfl_core.spec import Spec
 
     heads = {f.name for f in attrs.fields(Spec)} | {"--set", "--sweep", "sweep"}
     if case.raw is not None:
@@ -568,8 +569,8 @@ def test_fuzzed_shipped_specs_end_in_exit_0_or_one_clean_line(tmp_path):
 ])
 def test_the_judge_catches_each_kind_of_failure(tmp_path, monkeypatch, behaviour, kind):
     """The fuzzer's own checks: a run that hangs, raises, or prints a bad line is a failure."""
-    from pfl_core import runner
     from pfl_core.errors import PflError, SpecError
+    from pfl_core.study import runner
 
     def fake_run(*args, **kwargs):
         if behaviour == "sleep":

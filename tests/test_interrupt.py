@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_cli import write_spec
 from tiny import tiny_raw
 
@@ -148,8 +147,7 @@ def test_sigterm_between_rounds_checkpoints_and_prints_the_resume_command(tmp_pa
         return run_round(self, ctx, round, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "run_round", interrupted_at_3)
-    from pfl_core import checkpoint
-
+    from pfl_core.state import checkpoint
     version = checkpoint.code_version(["fedavg"])  # kept: other work on the tree must not refuse the resume
     monkeypatch.setattr(checkpoint, "code_version", lambda names: version)
     assert run_main([write_spec(tmp_path, raw), "--quiet"]) == 143

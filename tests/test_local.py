@@ -2,9 +2,9 @@
 the personal model evaluated. Expected weights are recomputed independently (tests/harness.py)."""
 
 import torch
-
-from pfl_core.evaluation import evaluate_clients, evaluated_models, score
 from harness import assert_close, assert_same, far_apart, fresh_model, prepared, recorded_training, train_reference
+
+from pfl_core.runtime.evaluation import evaluate_clients, evaluated_models, score
 
 LOCAL = {"algorithm.name": "local", "model.params.hidden": [], "experiment.rounds": 2}
 

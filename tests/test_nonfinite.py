@@ -3,12 +3,12 @@ method; "skip_client" leaves a diverged client out of the round's aggregate and 
 
 import pytest
 import torch
+from test_cli import one_line_error, write_spec
+from tiny import tiny_raw
 
 from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import NonFiniteError
-from test_cli import one_line_error, write_spec
-from tiny import tiny_raw
 
 BAD = 2  # the client whose data diverges
 

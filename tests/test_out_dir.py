@@ -1,13 +1,13 @@
 """``pfl-run SPEC --out DIR``: results on disk, with or without a tracker."""
 
 import csv
-import tomllib
 
 import pytest
-
-from pfl_core.spec import dump_toml
-from pfl_core.cli import run_main
+import tomllib
 from tiny import tiny_raw
+
+from pfl_core.cli import run_main
+from pfl_core.spec import dump_toml
 
 
 def write_spec(tmp_path, raw) -> str:
@@ -93,8 +93,7 @@ def test_nothing_is_written_before_the_spec_validates(tmp_path, capsys):
 
 
 def test_a_late_failure_still_writes_what_finished(tmp_path, capsys, monkeypatch):
-    from pfl_core import runner
-
+    from pfl_core.study import runner
     real = runner.Engine
 
     class FailingOnLocalSeed1(real):

@@ -5,12 +5,22 @@ modules (tests/harness.py); the model is an MLP with layers fc1, fc2, fc3."""
 
 import pytest
 import torch
+from harness import (
+    assert_close,
+    assert_same,
+    far_apart,
+    fresh_model,
+    mean_of,
+    model_bytes,
+    prepared,
+    recorded_training,
+    shrink,
+    train_reference,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import resolve
-from pfl_core.evaluation import evaluate_clients, evaluated_models, score
-from harness import (assert_close, assert_same, far_apart, fresh_model, mean_of, model_bytes, prepared,
-                     recorded_training, shrink, train_reference)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluate_clients, evaluated_models, score
 
 DEEP = {"model.params.hidden": [16, 16], "data.params.samples_per_device": 60, "experiment.rounds": 2}
 FC1 = ["fc1.weight", "fc1.bias"]
@@ -192,7 +202,7 @@ def test_fedbabu_without_fine_tuning_evaluates_the_global_model():
 
 def test_fedbabu_defaults_and_a_negative_fine_tuning_names_its_key():
     from pfl_core.errors import SpecError
-    from plugins.fedbabu import FedBABUParams
+    from pfl_plugins.fedbabu import FedBABUParams
 
     assert FedBABUParams().finetune_epochs == 5 and FedBABUParams().head_layers == 1  # the paper's main setting
     with pytest.raises(SpecError) as info:
@@ -257,7 +267,7 @@ def test_uploads_carry_exactly_the_shared_part(name, shared):
 
 
 def test_a_key_only_some_clients_sent_is_renormalised_over_its_senders_by_hand():
-    from plugins.partial import partial_average
+    from pfl_core.methods.partial import partial_average
 
     t = lambda v: torch.tensor([v])
     pairs = [(0.2, {"x": t(1.0)}), (0.3, {"x": t(2.0), "y": t(10.0)}), (0.5, {"x": t(4.0), "y": t(20.0)})]
@@ -271,8 +281,8 @@ def test_a_key_only_some_clients_sent_is_renormalised_over_its_senders_by_hand()
 def test_layer_probe_tries_the_next_input_shape_when_one_is_refused(monkeypatch):
     """A model that takes only colour images is still probed (its layers counted) before the
     data is loaded: a refused guess moves on to the next shape, it does not end the probe."""
-    from pfl_core.context import ModelBank
-    from plugins.partial import probe_num_layers
+    from pfl_core.methods.partial import probe_num_layers
+    from pfl_core.runtime.context import ModelBank
 
     real_plugin = ModelBank.plugin
 

@@ -6,12 +6,8 @@ import numpy as np
 import pytest
 
 from pfl_core import registry
+from pfl_core.data.partitioners import GroupDirichlet, Pathological, split_by_proportions
 from pfl_core.errors import SpecError
-from pfl_core.data.partitioners import (
-    GroupDirichlet,
-    Pathological,
-    split_by_proportions,
-)
 
 C = 10
 

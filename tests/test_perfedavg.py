@@ -5,15 +5,24 @@ adaptation batch, a round recomputed by an independent loop, bytes, budget, bad 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+    state_of,
+)
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.training import batch_order, batch_starts
-from pfl_core.evaluation import evaluated_models
-from plugins.perfedavg import PerFedAvg, PerFedAvgParams, adaptation_step, meta_step
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key, state_of)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_core.runtime.training import batch_order, batch_starts
+from pfl_plugins.perfedavg import PerFedAvg, PerFedAvgParams, adaptation_step, meta_step
 
 RAW = {"algorithm.name": "perfedavg", "model.params.hidden": [8], "experiment.rounds": 2,
        "algorithm.params.beta": 0.1, "algorithm.params.alpha": 0.05}

@@ -9,15 +9,32 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+)
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import evaluated_models
-from plugins.pfedfda import (PFedFDAParams, class_priors, cv_loss, cv_parts, interpolate, lda_head,
-                             local_estimates, solve_beta, stratified_folds)
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import evaluated_models
+from pfl_plugins.pfedfda import (
+    PFedFDAParams,
+    class_priors,
+    cv_loss,
+    cv_parts,
+    interpolate,
+    lda_head,
+    local_estimates,
+    solve_beta,
+    stratified_folds,
+)
 
 BASE = {"algorithm.name": "pfedfda", "model.params.hidden": [8], "experiment.rounds": 2}
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]
@@ -284,7 +301,7 @@ def test_budget_is_local_epochs_and_measured():
 
 
 def test_coldstart_clients_adapt_without_training(monkeypatch):
-    from pfl_core.context import Client
+    from pfl_core.runtime.context import Client
     trained = []
     original = Client.train
     monkeypatch.setattr(Client, "train", lambda self, *a, **k: trained.append(self.id) or original(self, *a, **k))
@@ -301,7 +318,7 @@ def test_defaults_are_the_documented_ones():
 
 def test_a_model_whose_classifier_is_not_linear_is_refused(monkeypatch):
     from torch import nn
-    monkeypatch.setattr("plugins.pfedfda.parameterised_layers", lambda model: [("fc2", nn.Conv1d(1, 1, 1))])
+    monkeypatch.setattr("pfl_plugins.pfedfda.parameterised_layers", lambda model: [("fc2", nn.Conv1d(1, 1, 1))])
     with pytest.raises(SpecError) as info:
         Engine(resolve(tiny_raw(**BASE)), progress=False).run()
     assert info.value.path == "model.name" and "Conv1d" in str(info.value)

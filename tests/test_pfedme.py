@@ -7,15 +7,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    model_bytes,
+    prepared,
+    refused_at_key,
+    state_of,
+)
+from tiny import tiny_raw
 from torch import nn
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.training import batch_order, batch_starts
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from plugins.pfedme import PFedMe, PFedMeParams, moreau_step, server_step
-from harness import (assert_close, assert_same, dry_run_error, far_apart, fresh_model, model_bytes, prepared,
-                     refused_at_key, state_of)
-from tiny import tiny_raw
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
+from pfl_core.runtime.training import batch_order, batch_starts
+from pfl_plugins.pfedme import PFedMe, PFedMeParams, moreau_step, server_step
 
 RAW = {"algorithm.name": "pfedme", "model.params.hidden": [8], "experiment.rounds": 2}
 

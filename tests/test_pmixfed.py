@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 
 from pfl_core import seeding
 from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
-from pfl_core.evaluation import coldstart_models, evaluated_models, score
+from pfl_core.methods.partial import partial_average
 from pfl_core.models.layers import layer_keys
-from plugins import pmixfed
-from plugins.partial import partial_average
-from tiny import run_tiny, tiny_raw
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models, score
+from pfl_plugins import pmixfed
 
 SMALL = {"data.params.samples_per_device": 60}  # fast on a loaded machine
 DEEP = {"algorithm.name": "pmixfed", "model.params.hidden": [16, 16], **SMALL}  # 3 layers: fc1, fc2, fc3

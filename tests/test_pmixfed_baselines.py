@@ -4,13 +4,13 @@ import functools
 
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 
 from pfl_core.cli import run_main
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from pfl_core.models.layers import layer_keys
-from pfl_core.evaluation import coldstart_models, evaluated_models
-from tiny import run_tiny, tiny_raw
+from pfl_core.runtime.evaluation import coldstart_models, evaluated_models
 
 # layers fc1, fc2, fc3 (middle split k = 1); small data, 2 rounds: fast on a loaded machine
 DEEP = {"model.params.hidden": [16, 16], "data.params.samples_per_device": 60, "experiment.rounds": 2}
@@ -95,8 +95,9 @@ def test_no_head_layers_is_refused_by_the_bound(name):
 
 
 def test_the_split_is_checked_again_on_the_real_model():
-    from plugins.partial import PartialModel
     from types import SimpleNamespace
+
+    from pfl_core.methods.partial import PartialModel
 
     plugin = PartialModel(PartialModel.Params(head_layers=7))
     plugin.spec_path = "algorithm"

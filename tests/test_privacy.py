@@ -1,20 +1,24 @@
 """Privacy add-ons: the Gaussian mechanism on expertise and k-ary randomised response on labels."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny import run_tiny, tiny_raw
 
-from types import SimpleNamespace
-
-from pfl_core.spec import dump_toml
 from pfl_core.cli import run_main
+from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.payload import Packed
-from plugins.privacy import GaussianExpertise, GaussianExpertiseParams
-from pfl_core.engine import Engine, resolve
-from plugins.privacy import gaussian_epsilon, keep_probability, randomised_response
-from tiny import run_tiny, tiny_raw
+from pfl_core.spec import dump_toml
+from pfl_plugins.privacy import (
+    GaussianExpertise,
+    GaussianExpertiseParams,
+    gaussian_epsilon,
+    keep_probability,
+    randomised_response,
+)
 
 torch.set_num_threads(1)  # tiny models: thread contention dominates on a loaded 2-core machine
 

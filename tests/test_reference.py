@@ -6,12 +6,12 @@ import math
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-
-from pfl_core import runner, stats
-from pfl_core.engine import RunResult
-from pfl_core.runner import PointResult, gains, run_spec_file
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
+
+from pfl_core.engine import RunResult
+from pfl_core.study import runner, stats
+from pfl_core.study.runner import PointResult, gains, run_spec_file
 
 
 def _result(name, algorithm, seeds, accs):

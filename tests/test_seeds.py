@@ -7,14 +7,12 @@ import mlflow
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-
-from pfl_core import stats
-from pfl_core.engine import Engine, resolve
-from pfl_core.runner import PointResult, print_comparison, run_spec_file
-from pfl_core.engine import RunResult
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
+from pfl_core.engine import Engine, RunResult, resolve
+from pfl_core.study import stats
+from pfl_core.study.runner import PointResult, print_comparison, run_spec_file
 
 # -- statistics ------------------------------------------------------------------------------
 

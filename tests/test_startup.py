@@ -18,7 +18,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "specs" / "quickstart.toml"
 HEAVY = ("mlflow", "matplotlib", "torchvision", "scipy")
 
 #: The quickstart's sweep names these algorithms; its data, partitioner and model are built in.
-NAMED_PLUGINS = ("plugins.local", "plugins.fedavg", "plugins.centralized")
+NAMED_PLUGINS = ("pfl_plugins.local", "pfl_plugins.fedavg", "pfl_plugins.centralized")
 
 PROBE = f"""
 import io, json, sys

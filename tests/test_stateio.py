@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pfl_core import stateio
+from pfl_core.state import stateio
 
 
 def sample_state():

@@ -10,10 +10,10 @@ import torch
 from harness import dry_run_error
 from tiny import run_tiny, tiny_raw
 
-from pfl_core import store as store_module
 from pfl_core.engine import resolve
 from pfl_core.errors import PflError, SpecError
-from pfl_core.store import ClientStore
+from pfl_core.state import store as store_module
+from pfl_core.state.store import ClientStore
 
 SUP = {"algorithm.params.supervisor": "mlp", "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": [4]}}}
 

@@ -10,12 +10,14 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-
-from pfl_core.spec import dump_toml
-from pfl_core.context import RunContext
-from pfl_core.runner import run_spec_file
-from pfl_core.tracking import NullTracker, artifact_root_for, spec_header
 from tiny import tiny_raw
+
+from pfl_core.runtime.context import RunContext
+from pfl_core.spec import dump_toml
+from pfl_core.state.locations import artifact_root_for
+from pfl_core.study.runner import run_spec_file
+from pfl_core.tracking.study import spec_header
+from pfl_core.tracking.tracker import NullTracker
 
 GIT_COMMIT = "mlflow.source.git.commit"
 PARENT = "mlflow.parentRunId"

@@ -2,16 +2,15 @@
 
 import io
 import json
-
 import sys
 
 import mlflow
 import pytest
-
-from pfl_core.spec import dump_toml
-from pfl_core.cli import run_main
-from pfl_core.tracking import Progress, human_bytes, human_seconds
 from tiny import tiny_raw
+
+from pfl_core.cli import run_main
+from pfl_core.spec import dump_toml
+from pfl_core.tracking.terminal import Progress, human_bytes, human_seconds
 
 
 @pytest.mark.parametrize("value, text", [

@@ -2,11 +2,12 @@
 
 import datetime
 import math
+
 import tomllib
+from tiny import tiny_raw
 
 from pfl_core.engine import resolve
 from pfl_core.spec import dump_toml
-from tiny import tiny_raw
 
 
 def same(a, b) -> bool:

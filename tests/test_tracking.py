@@ -5,10 +5,10 @@ import json
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.tracking import MlflowTracker, fit_params, flatten
-from tiny import tiny_raw
+from pfl_core.tracking.tracker import MlflowTracker, fit_params, flatten
 
 EXPECTED_ARTIFACTS = {
     "resolved_spec.toml",

@@ -22,13 +22,14 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from pfl_core import engine as engine_module
-from pfl_core import journal
-from pfl_core.checkpoint import checkpoints
-from pfl_core.cli import EXIT_TRACKING_PENDING, main, run_main
 from test_cli import write_spec
 from tiny import tiny_raw
+
+from pfl_core.cli import main, run_main
+from pfl_core.cli.cli import EXIT_TRACKING_PENDING
+from pfl_core.engine import engine as engine_module
+from pfl_core.state.checkpoint import checkpoints
+from pfl_core.tracking import journal
 
 WALL_CLOCK = ("round_seconds", "eval_seconds")  # differ between any two runs
 ROUNDS = 5

@@ -1,4 +1,4 @@
-"""pfl_core.training: optimiser construction and the shared mini-batch loop, by hand.
+"""pfl_core.runtime.training: optimiser construction and the shared mini-batch loop, by hand.
 
 Every update below is worked out on paper on a 1-layer Linear model whose weights are set,
 so a wrong gradient, a missing zero_grad, a wrong loss, a wrong batch order or a wrong mean
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from pfl_core.runtime.training import batch_order, make_optimizer, reset_optimizer, run_epochs
 from pfl_core.spec import TrainingSection
-from pfl_core.training import batch_order, make_optimizer, reset_optimizer, run_epochs
 
 
 def linear(weights, bias=None):
@@ -322,7 +322,7 @@ def test_a_parameter_a_batch_does_not_touch_is_not_moved_by_momentum():
 
 def test_mean_training_loss_of_a_list_and_of_a_total_by_hand():
     from pfl_core.errors import NonFiniteError
-    from pfl_core.training import mean_training_loss
+    from pfl_core.runtime.training import mean_training_loss
 
     assert mean_training_loss([torch.tensor(1.0), torch.tensor(3.0)]) == {"train_loss": 2.0}
     assert mean_training_loss(torch.tensor(6.0), 4) == {"train_loss": 1.5}

@@ -4,8 +4,8 @@
 ``DatasetPlugin`` and ``PartitionerPlugin`` are what third-party datasets and schemes subclass.
 """
 
-from .base import DatasetPlugin, PartitionerPlugin, RawDataset
-from .federated import (
+from pfl_core.data.base import DatasetPlugin, PartitionerPlugin, RawDataset
+from pfl_core.data.federated import (
     ClientData,
     FederatedData,
     PublicData,
@@ -13,7 +13,7 @@ from .federated import (
     build_federated_data,
     stratified_split,
 )
-from .partitioners import pathological_split, split_by_proportions
+from pfl_core.data.partitioners import pathological_split, split_by_proportions
 
 __all__ = [
     "ClientData",

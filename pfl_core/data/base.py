@@ -12,8 +12,8 @@ from typing import Optional
 import attrs
 import numpy as np
 
-from ..errors import DataError
-from ..registry import DATASET, PARTITIONER, Plugin
+from pfl_core.errors import DataError
+from pfl_core.registry import DATASET, PARTITIONER, Plugin
 
 
 @attrs.define(eq=False)

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 from attrs import define, field
 
-from ..errors import DataError, SpecError
-from ..spec import at_least, finite, one_of
-from .base import DatasetPlugin, RawDataset
+from pfl_core.data.base import DatasetPlugin, RawDataset
+from pfl_core.errors import DataError, SpecError
+from pfl_core.spec import at_least, finite, one_of
 
 __all__ = ["Synthetic", "Npz", "MNIST", "FashionMNIST", "CIFAR10", "CIFAR100", "EMNIST"]
 

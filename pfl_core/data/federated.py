@@ -13,10 +13,10 @@ import attrs
 import numpy as np
 import torch
 
-from ..errors import PflError, SpecError
-from ..registry import DATASET, PARTITIONER, instantiate
-from ..seeding import numpy_rng
-from .base import DatasetPlugin, PartitionerPlugin, RawDataset
+from pfl_core.data.base import DatasetPlugin, PartitionerPlugin, RawDataset
+from pfl_core.errors import PflError, SpecError
+from pfl_core.registry import DATASET, PARTITIONER, instantiate
+from pfl_core.seeding import numpy_rng
 
 __all__ = [
     "ClientData",

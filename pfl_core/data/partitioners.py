@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 from attrs import define, field
 
-from ..errors import SpecError
-from ..spec import at_least, between, finite, greater_than
-from .base import PartitionerPlugin
+from pfl_core.data.base import PartitionerPlugin
+from pfl_core.errors import SpecError
+from pfl_core.spec import at_least, between, finite, greater_than
 
 __all__ = [
     "IID",

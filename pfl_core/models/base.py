@@ -13,8 +13,8 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-from .. import registry
-from ..errors import SpecError
+from pfl_core import registry
+from pfl_core.errors import SpecError
 
 
 class ModelPlugin(registry.Plugin):

@@ -25,15 +25,16 @@ vgg16                     15,245,130
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from attrs import define, field
 from torch import nn
 
-from ..errors import SpecError
-from ..registry import NoParams
-from ..spec import FieldError, at_least, between, described, finite, greater_than, one_of
-from .base import ModelPlugin
+from pfl_core.errors import SpecError
+from pfl_core.models.base import ModelPlugin
+from pfl_core.registry import NoParams
+from pfl_core.spec import FieldError, at_least, between, described, finite, greater_than, one_of
 
 __all__ = [
     "AlexNet",

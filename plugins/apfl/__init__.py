@@ -58,11 +58,8 @@ import torch
 from attrs import define, field
 from torch.func import functional_call
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.context import load_state
-from pfl_core.spec import between, finite, greater_than
-from plugins.fedavg import FedAvg
+from pfl_core.api import LocalWork, between, finite, greater_than, hookimpl, load_state
+from pfl_plugins.fedavg import FedAvg
 
 
 @define

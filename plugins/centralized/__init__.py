@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from pfl_core import hookimpl
-from pfl_core.context import clone_state, load_state
-from pfl_core.training import make_optimizer, run_epochs
-from plugins.fedavg import FedAvg
+from pfl_core.api import clone_state, hookimpl, load_state, make_optimizer, run_epochs
+from pfl_plugins.fedavg import FedAvg
 
 
 def cross_entropy(model, x, y, logits):

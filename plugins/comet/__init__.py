@@ -20,9 +20,7 @@ import numpy as np
 import torch
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.spec import at_least
-from plugins.codistill import DTYPES, CodistillParams, PublicPredictionMethod
+from pfl_core.api import DTYPES, CodistillParams, PublicPredictionMethod, at_least, hookimpl
 
 
 @define

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from attrs import define, field
 
-from pfl_core import ADDON, Plugin, SpecError, hookimpl
-from pfl_core.spec import FieldError, choices_text, described, one_of
+from pfl_core.api import ADDON, FieldError, Plugin, SpecError, choices_text, described, hookimpl, one_of
 
 SPLITS = ("train", "val", "test")
 

@@ -44,18 +44,25 @@ import numpy as np
 import torch
 from attrs import define, field
 
-from pfl_core import SpecError, hookimpl
-from pfl_core.context import clone_state, load_state
-from pfl_core.registry import MODEL, resolve
-from pfl_core.spec import FieldError, at_least, described, finite, greater_than
-from plugins.codistill import (
+from pfl_core.api import (
     DTYPES,
+    MODEL,
     CodistillParams,
+    FieldError,
     PublicPredictionMethod,
+    SpecError,
+    at_least,
+    clone_state,
+    described,
     distill,
+    finite,
+    greater_than,
+    hookimpl,
     kl_to_target,
+    load_state,
     mean_l1_distances,
     predict,
+    resolve_plugin,
 )
 
 
@@ -167,7 +174,7 @@ class Cosmos(PublicPredictionMethod):
     @hookimpl
     def check_spec(self, spec):
         super().check_spec(spec)
-        resolve(MODEL, self.params.server_arch, f"{self.spec_path}.params.server_arch")
+        resolve_plugin(MODEL, self.params.server_arch, f"{self.spec_path}.params.server_arch")
         if spec.experiment.participation < 1:
             raise SpecError("experiment.participation",
                             f"{self.name} clusters every client once, on the round-1 uploads: "

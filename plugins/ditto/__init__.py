@@ -51,11 +51,16 @@ from typing import Optional
 
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state, load_state
-from pfl_core.spec import at_least, finite
-from plugins.fedprox import AnchoredFedAvg, proximal_term
+from pfl_core.api import (
+    AnchoredAveraging,
+    LocalWork,
+    at_least,
+    clone_state,
+    finite,
+    hookimpl,
+    load_state,
+    proximal_term,
+)
 
 
 @define
@@ -68,7 +73,7 @@ class DittoParams:
                "none: training.local_epochs (the global solver's epochs)"})
 
 
-class Ditto(AnchoredFedAvg):
+class Ditto(AnchoredAveraging):
     """Ditto (Li et al. 2021): FedAvg's global model w plus a personal model v per client, trained
     after the global update on ``f_i(v) + lam/2 * ||v - w||^2``; v is evaluated and never sent
     (FedAvg's bytes). Budget: ``training.local_epochs + personal_epochs`` a round."""

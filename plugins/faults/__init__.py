@@ -36,14 +36,12 @@ from __future__ import annotations
 import numpy as np
 from attrs import define, field
 
-from pfl_core import ADDON, Plugin, hookimpl, seeding
-from pfl_core.spec import between
-from pfl_core.training import batch_starts
+from pfl_core.api import ADDON, Plugin, batch_starts, between, hookimpl, numpy_rng
 
 
 def upload_is_lost(seed: int, round: int, client_id: int, p: float) -> bool:
     """The seeded dropout draw for one client in one round."""
-    return bool(seeding.numpy_rng(seed, "dropout", round, client_id).random() < p)
+    return bool(numpy_rng(seed, "dropout", round, client_id).random() < p)
 
 
 def is_straggler(rng: np.random.Generator, fraction: float) -> bool:
@@ -110,7 +108,7 @@ class Stragglers(Plugin):
     @hookimpl
     def on_round_start(self, ctx, round, participants):
         seed = ctx.spec.experiment.seed
-        count = sum(is_straggler(seeding.numpy_rng(seed, "stragglers", round, i), self.params.fraction)
+        count = sum(is_straggler(numpy_rng(seed, "stragglers", round, i), self.params.fraction)
                     for i in participants)
         ctx.log(stragglers=float(count))
 

@@ -25,10 +25,7 @@ from typing import Optional
 
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.spec import at_least
-from plugins.partial import PartialModel, only_training
+from pfl_core.api import LocalWork, PartialModel, at_least, hookimpl, only_training
 
 
 @define

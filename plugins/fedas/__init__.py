@@ -59,14 +59,21 @@ import torch
 import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.aggregate import weighted_average
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state, load_state
-from pfl_core.spec import at_least, finite, greater_than, one_of
-from plugins.fedpac import ClassifierSplit
-from plugins.fedproto import capture_embedding, local_prototypes
-from plugins.partial import only_training
+from pfl_core.api import (
+    LocalWork,
+    at_least,
+    capture_embedding,
+    clone_state,
+    finite,
+    greater_than,
+    hookimpl,
+    load_state,
+    local_prototypes,
+    one_of,
+    only_training,
+    weighted_average,
+)
+from pfl_plugins.fedpac import ClassifierSplit
 
 
 @define

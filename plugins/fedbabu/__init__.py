@@ -26,10 +26,7 @@ from typing import Optional
 
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.context import load_state
-from pfl_core.spec import at_least
-from plugins.partial import PartialModel, only_training
+from pfl_core.api import PartialModel, at_least, hookimpl, load_state, only_training
 
 
 @define

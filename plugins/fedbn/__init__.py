@@ -40,20 +40,22 @@ from __future__ import annotations
 
 from torch import nn
 
-from pfl_core import SpecError, hookimpl
-from pfl_core.registry import NoParams
-from plugins.fedavg import require_single_architecture
-from plugins.partial import PartialModel, probe_model, spec_archs
+from pfl_core.api import (
+    NoParams,
+    PartialModel,
+    SpecError,
+    hookimpl,
+    model_key,
+    probe_model,
+    require_single_architecture,
+    spec_archs,
+)
 
 
 def batchnorm_keys(model: nn.Module) -> set[str]:
     """The state-dict keys that belong to BatchNorm modules (parameters and statistics)."""
     owners = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     return {key for key in model.state_dict() for owner in owners if key.startswith(f"{owner}.")}
-
-
-def model_key(spec) -> str:
-    return "model.clients" if spec.model.clients else "model.pool" if spec.model.pool else "model.name"
 
 
 def no_batchnorm(key: str, arch: str) -> SpecError:

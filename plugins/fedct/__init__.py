@@ -21,8 +21,8 @@ from typing import Optional
 
 from attrs import define, field
 
-from pfl_core.spec import at_least, finite, greater_than
-from plugins.fedmosaic import FedMosaic
+from pfl_core.api import at_least, finite, greater_than
+from pfl_plugins.fedmosaic import FedMosaic
 
 
 @define

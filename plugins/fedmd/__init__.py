@@ -44,13 +44,20 @@ import torch
 import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core import Plugin, SpecError, hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state
-from pfl_core.payload import Packed, bits_for_classes
-from pfl_core.spec import at_least, one_of
-from plugins.codistill import predict_logits, require_public
-from plugins.local import load_personal
+from pfl_core.api import (
+    LocalWork,
+    Packed,
+    Plugin,
+    SpecError,
+    at_least,
+    bits_for_classes,
+    clone_state,
+    hookimpl,
+    load_personal,
+    one_of,
+    predict_logits,
+    require_public,
+)
 
 
 @define

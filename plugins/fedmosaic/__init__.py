@@ -116,15 +116,29 @@ import torch
 import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core import Plugin, SpecError, hookimpl
-from pfl_core.context import clone_state
-from pfl_core.evaluation import score
-from pfl_core.payload import Packed, bits_for_classes
-from pfl_core.spec import at_least, between, finite, greater_than, one_of
-from pfl_core.budget import LocalWork
-from pfl_core.training import batch_order, batch_starts
-from plugins.codistill import predict_logits, require_public
-from plugins.local import load_personal
+from pfl_core.api import (
+    LocalWork,
+    Packed,
+    Plugin,
+    at_least,
+    batch_order,
+    batch_starts,
+    between,
+    bits_for_classes,
+    clone_state,
+    dequantise,
+    expertise_bound,
+    finite,
+    greater_than,
+    hookimpl,
+    load_personal,
+    one_of,
+    plots,
+    predict_logits,
+    quantise,
+    require_public,
+    score,
+)
 
 EXPERTISE_MODES = ("W", "U", "uniform")
 WARMUP_EPOCHS = 1  # measured default: see the module docstring, "Warm-up default"
@@ -167,11 +181,6 @@ def adaptive_lambda(l_priv: float | torch.Tensor, l_pseudo: float | torch.Tensor
     return math.exp(-(l_pseudo - l_priv) / (l_priv + eps))
 
 
-def expertise_bound(mode: str, num_classes: int) -> float:
-    """The known range [0, c] of an expertise score: c = 1 ("W"), log C ("U")."""
-    return 1.0 if mode == "W" else math.log(num_classes)
-
-
 def expertise_scores(mode: str, logits: torch.Tensor, label_counts, eps: float) -> torch.Tensor:
     """E_i over U from the client's logits on U (float64).
 
@@ -189,17 +198,6 @@ def expertise_scores(mode: str, logits: torch.Tensor, label_counts, eps: float) 
         entropy = -(logp.exp() * logp).sum(dim=1)
         return (math.log(num_classes) - entropy).clamp_min(0) + eps
     raise ValueError(f"unknown expertise mode {mode!r}")
-
-
-def quantise(values: torch.Tensor, bound: float, bits: int) -> torch.Tensor:
-    """Codes round(clip(v, 0, bound) / bound * (2^bits - 1)) as the smallest integer dtype."""
-    levels = (1 << bits) - 1
-    codes = torch.round((values.double() / bound).clamp(0, 1) * levels)
-    return codes.to(torch.uint8 if bits <= 8 else torch.int32)
-
-
-def dequantise(codes: torch.Tensor, bound: float, bits: int) -> torch.Tensor:
-    return codes.double() / ((1 << bits) - 1) * bound
 
 
 def label_dtype(num_classes: int) -> torch.dtype:
@@ -429,7 +427,6 @@ class FedMosaic(Plugin):
         histories = {i: ctx.store[i].get("lambda_history", []) for i in ctx.training_clients}
         if not any(histories.values()):
             return None
-        from pfl_core import plots
 
         fig, ax = plots.plt.subplots(figsize=(7, 4))
         for i, points in histories.items():

@@ -70,16 +70,29 @@ import torch
 from attrs import define, field
 from scipy.optimize import minimize
 
-from pfl_core import SpecError, hookimpl
-from pfl_core.aggregate import weighted_average
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state, load_state
-from pfl_core.models.layers import layer_keys
-from pfl_core.spec import at_least, finite, greater_than
-from plugins.fedbn import model_key
-from plugins.fedper import FedPer
-from plugins.fedproto import FedProto, aggregate_prototypes, capture_embedding, local_prototypes
-from plugins.partial import only_training, probe_num_layers, spec_archs
+from pfl_core.api import (
+    LocalWork,
+    SpecError,
+    aggregate_prototypes,
+    at_least,
+    capture_embedding,
+    clone_state,
+    embeddings,
+    finite,
+    greater_than,
+    head_keys,
+    hookimpl,
+    layer_keys,
+    load_state,
+    local_prototypes,
+    model_key,
+    only_training,
+    probe_num_layers,
+    spec_archs,
+    weighted_average,
+)
+from pfl_plugins.fedper import FedPer
+from pfl_plugins.fedproto import FedProto
 
 
 @define
@@ -99,25 +112,6 @@ class FedPACParams:
     @property
     def head_layers(self) -> int:
         return 1  # the paper's linear classifier: the last parameterised layer (FedPer's setup)
-
-
-def head_keys(model) -> list[str]:
-    """The state-dict keys of the model's last parameterised layer (the classifier)."""
-    return layer_keys(model)[-1]
-
-
-@torch.no_grad()
-def embeddings(model, x, batch_size: int = 1024) -> torch.Tensor:
-    """z = the classifier's input for every row of ``x``, in eval mode (flattened)."""
-    was = model.training
-    model.eval()
-    store, out = {}, []
-    with capture_embedding(model, store):
-        for start in range(0, len(x), batch_size):
-            model(x[start:start + batch_size])
-            out.append(store["emb"].flatten(1))
-    model.train(was)
-    return torch.cat(out)
 
 
 def feature_statistics(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[float, torch.Tensor]:

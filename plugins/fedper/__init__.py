@@ -21,13 +21,18 @@ from __future__ import annotations
 
 from attrs import define, field
 
-from pfl_core import Plugin, SpecError, hookimpl
-from pfl_core.aggregate import weighted_average
-from pfl_core.context import clone_state, load_state
-from pfl_core.spec import at_least
-from pfl_core.models.layers import parameterised_layers, split_at
-from plugins.fedavg import require_single_architecture
-from plugins.per_run import per_run
+from pfl_core.api import (
+    Plugin,
+    SpecError,
+    at_least,
+    hookimpl,
+    load_state,
+    parameterised_layers,
+    per_run,
+    require_single_architecture,
+    split_at,
+    weighted_average,
+)
 
 
 @define

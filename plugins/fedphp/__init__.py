@@ -61,11 +61,8 @@ import torch
 import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.context import load_state
-from pfl_core.spec import at_least, between, finite, greater_than, one_of
-from plugins.fedavg import FedAvg
-from plugins.fedproto import capture_embedding
+from pfl_core.api import at_least, between, capture_embedding, finite, greater_than, hookimpl, load_state, one_of
+from pfl_plugins.fedavg import FedAvg
 
 
 @define

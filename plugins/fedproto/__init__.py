@@ -34,10 +34,17 @@ import torch.nn.functional as F
 from attrs import define, field
 from torch import nn
 
-from pfl_core import Plugin, hookimpl
-from pfl_core.context import clone_state, load_state
-from pfl_core.models.layers import parameterised_layers
-from pfl_core.spec import at_least, finite
+from pfl_core.api import (
+    Plugin,
+    aggregate_prototypes,
+    at_least,
+    capture_embedding,
+    clone_state,
+    finite,
+    hookimpl,
+    load_state,
+    local_prototypes,
+)
 
 NO_PROTOTYPE = -1e9
 
@@ -47,52 +54,6 @@ class FedProtoParams:
     lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
         "doc": "lambda (Eq. 5), weight of the MSE between embeddings and their class's global prototype "
                "(the official code's default)"})
-
-
-def classifier(model: nn.Module) -> nn.Module:
-    return parameterised_layers(model)[-1][1]
-
-
-class capture_embedding:
-    """Context manager: ``store["emb"]`` is the classifier's input after every forward."""
-
-    def __init__(self, model, store):
-        self.layer, self.store = classifier(model), store
-
-    def __enter__(self):
-        self.handle = self.layer.register_forward_hook(lambda m, inp, out: self.store.__setitem__("emb", inp[0]))
-        return self.store
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-
-
-@torch.no_grad()
-def local_prototypes(model, x, y, num_classes, batch_size=1024):
-    """({class: mean embedding}, {class: count}) over (x, y) (Eq. 3), in eval mode."""
-    was = model.training
-    model.eval()
-    sums, counts, store = {}, {}, {}
-    with capture_embedding(model, store):
-        for start in range(0, len(y), batch_size):
-            model(x[start:start + batch_size])
-            emb, yb = store["emb"].flatten(1), y[start:start + batch_size]
-            for c in yb.unique().tolist():
-                mask = yb == c
-                sums[c] = sums.get(c, 0) + emb[mask].sum(0)
-                counts[c] = counts.get(c, 0) + int(mask.sum())
-    model.train(was)
-    return {c: sums[c] / counts[c] for c in sums}, counts
-
-
-def aggregate_prototypes(reports):
-    """Eq. 6: {class: sum_i n_ij C_ij / sum_i n_ij} over (prototypes, counts) reports."""
-    sums, totals = {}, {}
-    for protos, counts in reports:
-        for c, p in protos.items():
-            sums[c] = sums.get(c, 0) + counts[c] * p
-            totals[c] = totals.get(c, 0) + counts[c]
-    return {c: sums[c] / totals[c] for c in sums}
 
 
 class NearestPrototype(nn.Module):

@@ -11,28 +11,7 @@ from __future__ import annotations
 
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.spec import at_least, finite
-from plugins.fedavg import FedAvg
-
-
-def proximal_term(model, anchor, coefficient: float):
-    """coefficient / 2 * ||theta - anchor||^2 over ``model``'s parameters (``anchor``: one
-    tensor per parameter, in ``model.parameters()`` order, a constant). FedProx's term (Eq. 2);
-    Ditto and pFedMe use the same one."""
-    distance = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
-    return coefficient / 2 * distance
-
-
-class AnchoredFedAvg(FedAvg):
-    """FedAvg whose clients keep w_t, the model they just received, as constants in
-    ``client.scratch["w_t"]``: the anchor of a proximal term (FedProx, Ditto)."""
-
-    @hookimpl
-    def on_receive(self, ctx, client, message):
-        super().on_receive(ctx, client, message)
-        client.scratch["w_t"] = [p.detach().clone() for p in client.model.parameters()]
-        return True
+from pfl_core.api import AnchoredAveraging, at_least, finite, hookimpl, proximal_term
 
 
 @define
@@ -42,7 +21,7 @@ class FedProxParams:
                "paper's grid 0.001, 0.01, 0.1, 1"})
 
 
-class FedProx(AnchoredFedAvg):
+class FedProx(AnchoredAveraging):
     """FedAvg whose clients add ``mu/2 * ||w - w_t||^2`` to their loss (Li et al. 2020), w_t the
     global model received this round."""
 

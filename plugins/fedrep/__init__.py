@@ -33,10 +33,8 @@ from __future__ import annotations
 
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.spec import at_least, one_of
-from plugins.fedper import FedPer
+from pfl_core.api import LocalWork, at_least, hookimpl, one_of
+from pfl_plugins.fedper import FedPer
 
 
 @define

@@ -18,7 +18,7 @@ the run's seeded initial weights and trains u and v jointly for ``experiment.col
 
 from __future__ import annotations
 
-from plugins.partial import PartialModel
+from pfl_core.api import PartialModel
 
 
 class FedSim(PartialModel):

@@ -72,13 +72,25 @@ import torch
 from attrs import define, field
 from torch import nn
 
-from pfl_core import Plugin, hookimpl, registry, seeding
-from pfl_core.aggregate import weighted_average
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state, load_state
-from pfl_core.payload import nbytes
-from pfl_core.spec import at_least, between, finite, greater_than, one_of
-from plugins.fedavg import require_single_architecture
+from pfl_core.api import (
+    MODEL,
+    LocalWork,
+    Plugin,
+    at_least,
+    between,
+    clone_state,
+    derive_seed,
+    finite,
+    greater_than,
+    hookimpl,
+    instantiate,
+    load_state,
+    nbytes,
+    numpy_rng,
+    one_of,
+    require_single_architecture,
+    weighted_average,
+)
 
 SUPERVISOR_WIDTH = 0.4  # LeNet-5 at width 0.4: 9,722 / 62,006 = 0.157 of the inter-learning model
 
@@ -207,7 +219,7 @@ def supervisor_arch(ctx, client_id: int) -> str:
     pool = ctx.params.supervisor_pool
     if not pool:
         return ctx.params.supervisor
-    rng = seeding.numpy_rng(ctx.spec.experiment.seed, "supervisor_arch", 0, client_id)
+    rng = numpy_rng(ctx.spec.experiment.seed, "supervisor_arch", 0, client_id)
     return pool[int(rng.integers(len(pool)))]
 
 
@@ -215,8 +227,8 @@ def supervisor_plugin(params, arch: str, spec_path: str):
     key = f"{spec_path}.params.supervisor"
     if params.supervisor_pool:
         key = f"{spec_path}.params.supervisor_pool[{params.supervisor_pool.index(arch)}]"
-    plugin = registry.instantiate(registry.MODEL, arch, params.supervisor_arch_params.get(arch, {}), key,
-                                  f"{spec_path}.params.supervisor_arch_params.{arch}")
+    plugin = instantiate(MODEL, arch, params.supervisor_arch_params.get(arch, {}), key,
+                         f"{spec_path}.params.supervisor_arch_params.{arch}")
     plugin.name_path = key
     return plugin
 
@@ -225,7 +237,7 @@ def build_supervisor(ctx, arch: str, spec_path: str) -> nn.Module:
     """A supervisor of ``arch`` with the run's seeded initial supervisor weights."""
     plugin = supervisor_plugin(ctx.params, arch, spec_path)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seeding.derive_seed(ctx.spec.experiment.seed, f"init:supervisor:{arch}"))
+        torch.manual_seed(derive_seed(ctx.spec.experiment.seed, f"init:supervisor:{arch}"))
         return plugin.build(ctx.models.input_shape, ctx.num_classes).to(ctx.device)
 
 

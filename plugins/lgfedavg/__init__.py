@@ -17,7 +17,7 @@ and trains the whole model for ``experiment.coldstart_epochs`` (the core default
 
 from __future__ import annotations
 
-from plugins.partial import PartialModel
+from pfl_core.api import PartialModel
 
 
 class LGFedAvg(PartialModel):

@@ -6,13 +6,7 @@ this. Each client's model starts from the run's seeded initial weights.
 
 from __future__ import annotations
 
-from pfl_core import Plugin, hookimpl
-from pfl_core.context import clone_state, load_state
-
-
-def load_personal(ctx, client):
-    """The client's own weights in its working model (initial weights before any training)."""
-    return load_state(client.model, client.state.get("weights") or ctx.models.initial_state(client.arch))
+from pfl_core.api import Plugin, clone_state, hookimpl, load_personal
 
 
 class Local(Plugin):

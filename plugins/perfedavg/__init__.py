@@ -54,16 +54,22 @@ Defaults and decisions:
 
 from __future__ import annotations
 
-
 import torch
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.context import load_state
-from pfl_core.spec import at_least, finite, greater_than, one_of
-from pfl_core.training import batch_order, batch_starts, mean_training_loss
-from plugins.fedavg import FedAvg
+from pfl_core.api import (
+    LocalWork,
+    at_least,
+    batch_order,
+    batch_starts,
+    finite,
+    greater_than,
+    hookimpl,
+    load_state,
+    mean_training_loss,
+    one_of,
+)
+from pfl_plugins.fedavg import FedAvg
 
 
 @define

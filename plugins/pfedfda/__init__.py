@@ -68,13 +68,23 @@ from attrs import define, field
 from scipy.optimize import minimize, minimize_scalar
 from torch import nn
 
-from pfl_core import SpecError, hookimpl
-from pfl_core.context import load_state
-from pfl_core.models.layers import parameterised_layers
-from pfl_core.spec import at_least, between, finite, one_of
-from plugins.fedbn import model_key, probe_model
-from plugins.fedpac import ClassifierSplit, embeddings, head_keys
-from plugins.partial import only_training, spec_archs
+from pfl_core.api import (
+    SpecError,
+    at_least,
+    between,
+    embeddings,
+    finite,
+    head_keys,
+    hookimpl,
+    load_state,
+    model_key,
+    one_of,
+    only_training,
+    parameterised_layers,
+    probe_model,
+    spec_archs,
+)
+from pfl_plugins.fedpac import ClassifierSplit
 
 
 @define

@@ -56,13 +56,23 @@ import math
 import torch
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.budget import LocalWork
-from pfl_core.context import clone_state, load_state
-from pfl_core.spec import FieldError, at_least, described, finite, greater_than
-from pfl_core.training import batch_order, batch_starts, mean_training_loss, reset_optimizer
-from plugins.fedprox import proximal_term
-from plugins.fedavg import FedAvg
+from pfl_core.api import (
+    FieldError,
+    LocalWork,
+    at_least,
+    batch_order,
+    batch_starts,
+    clone_state,
+    described,
+    finite,
+    greater_than,
+    hookimpl,
+    load_state,
+    mean_training_loss,
+    proximal_term,
+    reset_optimizer,
+)
+from pfl_plugins.fedavg import FedAvg
 
 
 @described("> 0")

@@ -96,13 +96,26 @@ import numpy as np
 import torch
 from attrs import define, field
 
-from pfl_core import SpecError, hookimpl
-from pfl_core.context import clone_state, load_state
-from pfl_core.evaluation import score
-from pfl_core.models.layers import layer_keys
-from pfl_core.spec import FieldError, at_least, between, choices_text, described, finite, greater_than
-from plugins.partial import PartialModel, partial_average, probe_num_layers, spec_archs
-from plugins.per_run import per_run
+from pfl_core.api import (
+    FieldError,
+    PartialModel,
+    SpecError,
+    at_least,
+    between,
+    choices_text,
+    clone_state,
+    described,
+    finite,
+    greater_than,
+    hookimpl,
+    layer_keys,
+    load_state,
+    partial_average,
+    per_run,
+    probe_num_layers,
+    score,
+    spec_archs,
+)
 
 # -- the schedule -------------------------------------------------------------------------
 

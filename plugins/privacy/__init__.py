@@ -52,9 +52,22 @@ from typing import Optional
 import torch
 from attrs import define, field
 
-from pfl_core import ADDON, Plugin, SpecError, hookimpl, registry
-from pfl_core.payload import Packed
-from pfl_core.spec import at_least, between, finite, greater_than
+from pfl_core.api import (
+    ADDON,
+    ALGORITHM,
+    Packed,
+    Plugin,
+    SpecError,
+    at_least,
+    between,
+    dequantise,
+    expertise_bound,
+    finite,
+    greater_than,
+    hookimpl,
+    instantiate,
+    quantise,
+)
 
 
 def gaussian_epsilon(sigma: float, delta: float, num_public: int, bound: float) -> float:
@@ -78,8 +91,8 @@ def randomised_response(labels: torch.Tensor, eps_label: float, num_classes: int
 def uploaded_expertise(spec) -> Optional[str]:
     """The expertise mode ("W" or "U") the spec's algorithm uploads beside its labels, or None
     (FedCT, expertise "uniform", algorithms without expertise)."""
-    algorithm = registry.instantiate(registry.ALGORITHM, spec.algorithm.name, spec.algorithm.params,
-                                     "algorithm.name", "algorithm.params")
+    algorithm = instantiate(ALGORITHM, spec.algorithm.name, spec.algorithm.params, "algorithm.name",
+                            "algorithm.params")
     mode = getattr(algorithm.params, "expertise", None)
     return mode if mode in ("W", "U") else None
 
@@ -108,8 +121,6 @@ class GaussianExpertise(Plugin):
     Params = GaussianExpertiseParams
 
     def _bound(self, ctx) -> float:
-        from plugins.fedmosaic import expertise_bound
-
         return expertise_bound(ctx.params.expertise, ctx.num_classes)
 
     @hookimpl
@@ -127,8 +138,6 @@ class GaussianExpertise(Plugin):
 
     @hookimpl(wrapper=True)
     def client_upload(self, ctx, client):
-        from plugins.fedmosaic import dequantise, quantise
-
         upload = yield
         packed = upload["expertise"]
         bits, bound = packed.bits, self._bound(ctx)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core import hookimpl
-from pfl_core.spec import between, finite, greater_than
-from plugins.fedavg import FedAvg
+from pfl_core.api import between, finite, greater_than, hookimpl
+from pfl_plugins.fedavg import FedAvg
 
 __version__ = "0.1.0"
 

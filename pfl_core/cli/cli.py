@@ -1,0 +1,321 @@
+"""Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins [NAME]`` lists plugins (or
+documents one); ``pfl docs``
+generates the built-in plugins' parameter reference.
+
+Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
+Exit code 3: the runs finished, but their MLflow tracking server was unreachable at the end;
+what it missed is in local journals (one line names each), sent by ``pfl replay JOURNAL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Sequence
+
+from pfl_core.errors import Interrupted, PflError
+
+EXIT_USAGE = 2
+EXIT_TRACKING_PENDING = 3  # finished; the tracking server missed some of it (kept in journals)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Run the experiment a TOML spec describes.")
+    parser.add_argument("spec", nargs="?", help="path to the experiment's TOML spec (optional with --resume)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field by its dotted key (TOML value syntax); repeatable")
+    parser.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
+                        help="add (or replace) a sweep axis: the values, comma-separated or a TOML list; repeatable")
+    parser.add_argument("--no-sweep", action="store_true", help="run only the base spec, without its [sweep]")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the spec and the data partition, build every client model once, "
+                             "print the resolved spec; train and log nothing")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="also write the results into DIR (new): comparison.csv, differences.csv, per-client "
+                             "CSVs and the spec as run; with or without tracking")
+    parser.add_argument("--overwrite", action="store_true", help="let --out replace the results in an existing DIR")
+    parser.add_argument("--clients", action="store_true", help="also print each run's per-client table")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar, no loading line, no locations: only the run summaries and the comparison")
+    parser.add_argument("--resume", metavar="PATH_OR_RUN_ID", default=None,
+                        help="continue a run from its last good checkpoint (a checkpoint folder, or the MLflow run "
+                             "id, in the same MLflow run); with SPEC, the spec must be the run's")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
+    return parser
+
+
+REPORT_TO = "please report it, with the command and the spec, to the pfl maintainers"
+
+
+def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
+    parser = _run_parser(prog)
+    args = parser.parse_args(argv)
+    if args.resume is None and args.spec is None:
+        parser.error("the following arguments are required: spec")
+    if args.resume is not None:
+        clash = [flag for flag, given in (("--dry-run", args.dry_run), ("--sweep", args.sweeps),
+                                          ("--no-sweep", args.no_sweep), ("--out", args.out),
+                                          ("--no-tracking", args.no_tracking)) if given]
+        if clash:
+            parser.error(f"--resume continues one run as it was started; it does not take {', '.join(clash)}")
+    previous = _catch_signals()
+    from pfl_core.tracking.journal import UNSENT
+
+    unsent_before = len(UNSENT)
+    try:
+        from pfl_core.study.runner import resume_run, run_spec_file
+
+        if args.resume is not None:
+            results = resume_run(args.resume, args.spec, args.overrides, tracking_uri=args.tracking_uri,
+                                 quiet=args.quiet, clients=args.clients)
+        else:
+            results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
+                                    no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
+                                    no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
+                                    clients=args.clients)
+    except PflError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt as exc:
+        print(f"{prog}: {interrupted_line(exc)}", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+    except Exception as exc:  # last resort: one line, the traceback only when asked for
+        if args.debug:
+            raise
+        print(f"{prog}: internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
+              f"(run again with --debug for the traceback; {REPORT_TO})", file=sys.stderr)
+        return 1
+    finally:
+        _restore_signals(previous)
+    errors = [e for point in results for run in point.runs for e in run.errors]
+    for error in errors:  # the runs finished and were logged; a late step did not
+        print(f"{prog}: error: {error}", file=sys.stderr)
+    if errors:
+        return 1
+    return _tracking_pending(prog, UNSENT[unsent_before:])
+
+
+def _tracking_pending(prog: str, journals: list) -> int:
+    """Exit 3 when runs of this call ended with their tracking server away (each said where its
+    journal is); with several, one command that sends them all."""
+    import shlex
+
+    from pfl_core.tracking.journal import Journal
+
+    waiting = [str(f) for f in dict.fromkeys(journals) if Journal(f).pending()]
+    if not waiting:
+        return 0
+    if len(waiting) > 1:
+        print(f"{prog}: {len(waiting)} runs' tracking waits in local journals; when the server is back, send "
+              f"them all with: pfl replay {' '.join(shlex.quote(w) for w in waiting)}", file=sys.stderr)
+    return EXIT_TRACKING_PENDING
+
+
+def _stop(signum, frame):
+    """SIGINT / SIGTERM: stop where the run is (the runs are ended KILLED on the way out); a
+    second signal during that clean-up is ignored, so nothing is left half-written."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _catch_signals() -> dict | None:
+    try:
+        return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave Python's defaults
+        return None
+
+
+def _restore_signals(previous: dict | None) -> None:
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)
+
+
+def interrupted_line(exc: BaseException) -> str:
+    """Where an interrupted run stopped and where its results are, in one line."""
+    name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+    where = []
+    round, rounds = getattr(exc, "round", None), getattr(exc, "rounds", None)
+    if round is None:
+        text = f"interrupted ({name}) before training started"
+    else:
+        logged = f"rounds 1..{round - 1} were logged" if round > 1 else "no round was logged"
+        text = f"interrupted ({name}) at round {round} of {rounds} of run {exc.run_name!r} ({logged})"
+        if exc.run_id:
+            where.append(f"MLflow run {exc.run_id} (status KILLED) at {exc.tracking_uri}")
+    out_dir = getattr(exc, "out_dir", None)
+    if out_dir:
+        where.append(f"the runs that finished in {out_dir}/ (marked INCOMPLETE)")
+    line = f"{text}; results: {', '.join(where)}" if where else f"{text}; nothing of it was tracked"
+    resume = getattr(exc, "resume", None)
+    return f"{line}; continue it with: {resume}" if resume else line
+
+
+def plugins_main(name: str | None = None) -> int:
+    from pfl_core import registry
+
+    if name is not None:
+        return plugin_detail(name)
+
+    rows = []
+    for name, entry in sorted(registry.discovered().items()):
+        try:
+            cls = registry.plugin_class(name)
+        except PflError as exc:
+            rows.append((name, "broken", entry.distribution, entry.version, str(exc)))
+            continue
+        hooks = registry.implemented_hooks(cls)
+        provides = ", ".join(hooks) if hooks else {"dataset": "load", "model": "build",
+                                                   "partitioner": "split"}.get(cls.kind, "")
+        rows.append((name, cls.kind, entry.distribution, entry.version, provides))
+    order = {kind: i for i, kind in enumerate(registry.KINDS)}
+    rows.sort(key=lambda r: (order.get(r[1], 99), r[0]))
+    header = ("name", "kind", "package", "version", "hooks")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row[:4], widths)) + "  " + row[4])
+    return 0
+
+
+def plugin_detail(name: str) -> int:
+    """``pfl plugins NAME``: the docstring, the parameters (type, default, constraint, meaning;
+    the same text ``pfl docs`` renders) and the hooks of one plugin."""
+    import inspect
+    import textwrap
+
+    from pfl_core import registry
+    from pfl_core.errors import did_you_mean
+    from pfl_core.registry import docgen
+
+    found = registry.discovered()
+    if name not in found:
+        print(f"pfl plugins: error: unknown plugin '{name}'{did_you_mean(name, found)}; "
+              f"'pfl plugins' lists them all", file=sys.stderr)
+        return EXIT_USAGE
+    entry = found[name]
+    cls = registry.plugin_class(name)  # a broken plugin: PflError, one line
+    prefix = {kind: key for kind, _, key in docgen.SECTIONS}.get(cls.kind, f"{cls.kind}.params")
+    aliases = sorted(n for n in found if n != name and _same_class(registry, n, cls))
+    print(f"{name}  ({cls.kind}, {cls.__module__}:{cls.__qualname__}, package {entry.distribution} "
+          f"{entry.version})")
+    if aliases:
+        print(f"also registered as: {', '.join(aliases)}")
+    doc = cls.__dict__.get("__doc__") or sys.modules[cls.__module__].__doc__ or ""
+    if doc.strip():
+        print()
+        print(textwrap.indent(inspect.cleandoc(doc), "  "))
+    params = docgen.param_docs(cls, prefix)
+    print()
+    if not params:
+        print("parameters: none")
+    else:
+        print(f"parameters ({prefix}):")
+        for p in params:
+            default = p.default.replace("`", "")
+            print(f"  {p.key.rsplit('.', 1)[-1]}: {p.type} = {default}"
+                  + (f"  [{docgen.markdown_text(p.constraint).replace('`', '')}]" if p.constraint else ""))
+            if p.doc:
+                print(textwrap.fill(docgen.markdown_text(p.doc).replace("`", ""), 92,
+                                    initial_indent="      ", subsequent_indent="      "))
+    hooks = registry.implemented_hooks(cls)
+    provides = {"dataset": "load", "model": "build", "partitioner": "split"}.get(cls.kind)
+    print()
+    if hooks:
+        print(f"hooks: {', '.join(hooks)}")
+    elif provides:
+        print(f"hooks: none ({cls.kind} plugins implement {provides}())")
+    else:
+        print("hooks: none")
+    return 0
+
+
+def _same_class(registry, name: str, cls: type) -> bool:
+    try:
+        return registry.plugin_class(name) is cls
+    except PflError:
+        return False
+
+
+def docs_main(write: str | None, check: str | None) -> int:
+    from pfl_core.registry import docgen
+
+    generated = docgen.generate()
+    if write is None and check is None:
+        sys.stdout.write(generated)
+        return 0
+    if check is not None:
+        if docgen.is_current(check, generated):
+            return 0
+        print(f"pfl docs: {check} is not current; run: pfl docs --write {check}", file=sys.stderr)
+        return 1
+    changed = docgen.write(write, generated)
+    print(f"pfl docs: {write} {'updated' if changed else 'already current'}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
+    parser.add_argument("--version", action="version", version=f"pfl {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks; "
+                                             "with NAME, one plugin's documentation")
+    plugins.add_argument("name", nargs="?", metavar="NAME",
+                         help="show this plugin's docstring, parameters (type, default, constraint) and hooks")
+    sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
+    replay = sub.add_parser("replay", help="send what runs could not log while their MLflow tracking server "
+                                           "was away (their journals) to the server")
+    replay.add_argument("journals", nargs="+", metavar="JOURNAL",
+                        help="a journal folder, or a folder holding journals (a run's checkpoint folder, pfl-journal/)")
+    replay.add_argument("--tracking-uri", default=None,
+                        help="send to this MLflow store instead of the one the journal was written for")
+    docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
+                                       "write it into a file's generated region")
+    target = docs.add_mutually_exclusive_group()
+    target.add_argument("--write", metavar="FILE", help="replace the generated region of FILE "
+                                                          "(docs/spec-reference.md)")
+    target.add_argument("--check", metavar="FILE", help="exit 1 if FILE's generated region is not current")
+    if argv[:1] == ["run"]:
+        return run_main(argv[1:], prog="pfl run")
+    if not argv:  # `pfl` alone: what it can do, not an argparse error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plugins":
+            return plugins_main(args.name)
+        if args.command == "docs":
+            return docs_main(args.write, args.check)
+        if args.command == "replay":
+            from pfl_core.tracking.journal import replay_main
+
+            return replay_main(args.journals, args.tracking_uri)
+    except BrokenPipeError:  # `pfl plugins | head`
+        sys.stderr.close()
+        return 0
+    except PflError as exc:
+        print(f"pfl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+def _version() -> str:
+    from pfl_core._version import __version__
+
+    return __version__
+
+
+def _entry(fn) -> None:
+    sys.exit(fn())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Validators of spec fields and plugin parameters, and the limits no spec may exceed.
+
+A validator raises :class:`FieldError`; the structuring code (:mod:`pfl_core.spec.convert`) turns it
+into a :class:`~pfl_core.errors.SpecError` carrying the full TOML key path.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+from pfl_core.errors import did_you_mean
+
+
+class FieldError(ValueError):
+    def __init__(self, name: str, message: str):
+        self.name = name
+        self.message = message
+        super().__init__(f"{name}: {message}")
+
+
+def described(text: str):
+    """Mark a validator with the constraint it enforces, in words (``"each >= 1"``): the
+    ``constraint`` column of the generated parameter reference (``pfl docs``,
+    :mod:`pfl_core.docgen`). Only sets the attribute ``describe``; the check is unchanged."""
+
+    def mark(validator):
+        validator.describe = text
+        return validator
+
+    return mark
+
+
+def _check(predicate, description):
+    @described(description)
+    def validator(_instance, attribute, value):
+        if value is not None and not predicate(value):
+            raise FieldError(attribute.name, f"must be {description}, got {value!r}")
+
+    return validator
+
+
+def at_least(bound):
+    return _check(lambda v: v >= bound, f">= {bound}")
+
+
+def greater_than(bound):
+    return _check(lambda v: v > bound, f"> {bound}")
+
+
+def at_most(bound):
+    return _check(lambda v: v <= bound, f"<= {bound}")
+
+
+def between(low, high, *, low_open=False, high_open=False):
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+
+    def ok(v):
+        above = v > low if low_open else v >= low
+        below = v < high if high_open else v <= high
+        return above and below
+
+    return _check(ok, f"in {lo}{low}, {high}{hi}")
+
+
+@described("finite")
+def finite(_instance, attribute, value):
+    if value is not None and not math.isfinite(value):
+        raise FieldError(attribute.name, f"must be a finite number, got {value!r}")
+
+
+def choices_text(choices) -> str:
+    """``"a"``, ``"a" or "b"``, ``"a", "b" or "c"`` (strings quoted as in TOML)."""
+    words = [json.dumps(c) if isinstance(c, str) else repr(c) for c in choices]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def one_of(*choices):
+    @described(choices_text(choices))
+    def validator(_instance, attribute, value):
+        if value not in choices:
+            raise FieldError(
+                attribute.name,
+                f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+                + did_you_mean(value, choices),
+            )
+
+    return validator
+
+
+# ---------------------------------------------------------------------------
+# Limits (docs/spec-reference.md, "Limits"): what no experiment needs and what would exhaust
+# memory or never finish is refused at its key before anything is allocated.
+
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # TOML's integers are 64-bit
+MAX_CLIENTS = 1_000_000  # partition.num_clients
+MAX_SWEEP_POINTS = 1000  # points of a sweep's cartesian product
+MAX_NESTING = 32  # levels of arrays and tables in a value
+MAX_SPEC_BYTES = 10 * 2**20  # a spec file
+
+
+def describe_int(value: int) -> str:
+    """An integer for a message: itself, or its number of digits when it is very long."""
+    text = str(value)
+    return text if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+@described("non-empty, distinct, each >= 0")
+def _valid_seeds(_instance, attribute, value):
+    if value is None:
+        return
+    if not value:
+        raise FieldError(attribute.name, "must list at least one seed, e.g. [0, 1, 2]")
+    negative = [s for s in value if s < 0]
+    if negative:
+        raise FieldError(attribute.name, f"seeds must be >= 0, got {negative[0]}")
+    repeated = _repeated(value)
+    if repeated:
+        raise FieldError(attribute.name, f"lists seed {repeated[0]} more than once; each seed must be distinct")
+
+
+def _repeated(values) -> list:
+    """The values listed more than once, sorted (linear: 100000 seeds are not a hang)."""
+    return sorted(v for v, n in collections.Counter(values).items() if n > 1)
+
+
+def _distinct(what):
+    @described("distinct")
+    def validator(_instance, attribute, value):
+        repeated = _repeated(value)
+        if repeated:
+            raise FieldError(attribute.name, f"lists {repeated[0]!r} more than once")
+
+    return validator
+
+

@@ -1,0 +1,158 @@
+"""Results on disk, with or without a tracker: ``pfl-run SPEC --out DIR``.
+
+``DIR`` holds::
+
+    spec.toml                  the spec as run (after --set/--sweep; ``pfl-run DIR/spec.toml`` runs it again)
+    comparison.csv             one row per run / sweep point: seeds, and per final metric its mean and ci95
+    differences.csv            paired differences over common seeds: each run vs the compared-to run, and
+                               the gains over the reference runs (experiment.reference)
+    runs/<run>/resolved_spec.toml   the point's spec with every default filled in
+    runs/<run>/clients.csv          per-client results (clients_seed<k>.csv, one per seed, with experiment.seeds)
+    INCOMPLETE                 only when the invocation failed or was interrupted: what went wrong; the
+                               files hold what finished before it
+
+A ``DIR`` that exists is refused (:class:`OutputExists`) unless ``overwrite``; nothing is
+written before the spec validates (the runner calls :meth:`ResultsDir.start` after it does).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from pfl_core.errors import PflError
+from pfl_core.spec import dump_toml
+from pfl_core.study.stats import Summary, paired_difference
+from pfl_core.tracking.tables import table_csv
+
+COMPARISON = "comparison.csv"
+DIFFERENCES = "differences.csv"
+SPEC = "spec.toml"
+INCOMPLETE = "INCOMPLETE"
+
+
+def check_target(path: str | Path, overwrite: bool) -> None:
+    """Refuse an existing ``--out`` directory (one line) unless ``--overwrite``."""
+    path = Path(path)
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise PflError(f"--out {path}: {exc.strerror or exc}") from None
+    if exists and not is_dir:
+        raise PflError(f"--out {path} exists and is not a directory")
+    if exists and not overwrite:
+        raise PflError(f"--out {path} already exists; pass --overwrite to replace its results, or choose another directory")
+
+
+def slug(name: str) -> str:
+    """A run name as a directory name: ``fedprox mu=0.1`` -> ``fedprox_mu=0.1``."""
+    text = re.sub(r"[^A-Za-z0-9._=+-]+", "_", name).strip("._")
+    return text or "run"
+
+
+class ResultsDir:
+    def __init__(self, path: str | Path, overwrite: bool = False):
+        self.path = Path(path)
+        self.overwrite = overwrite
+
+    def start(self, spec_toml: str) -> None:
+        """Create the directory (after the spec validated) and write the spec as run."""
+        check_target(self.path, self.overwrite)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # permission denied, a read-only or full file system
+            raise PflError(f"--out {self.path}: cannot create it ({exc.strerror or exc})") from None
+        # --overwrite: only the files a previous pfl-run wrote are removed, never anything else
+        for name in (COMPARISON, DIFFERENCES, INCOMPLETE):
+            (self.path / name).unlink(missing_ok=True)
+        runs = self.path / "runs"
+        if runs.is_dir():
+            for old in runs.glob("*/*"):
+                if old.name == "resolved_spec.toml" or (old.name.startswith("clients") and old.suffix == ".csv"):
+                    old.unlink()
+        (self.path / SPEC).write_text(spec_toml, encoding="utf-8")
+
+    def write_point(self, name: str, resolved_toml: str) -> None:
+        folder = self._folder(name)
+        (folder / "resolved_spec.toml").write_text(resolved_toml, encoding="utf-8")
+
+    def write_results(self, results: list, compare_to: str | None) -> None:
+        """comparison.csv, differences.csv and each run's per-client CSV."""
+        for result in results:
+            folder = self._folder(result.name)
+            seeded = getattr(result, "seeded", False) or len(result.runs) > 1
+            for seed, run in zip(result.seeds, result.runs):
+                if run.client_rows:
+                    filename = f"clients_seed{seed}.csv" if seeded else "clients.csv"
+                    header = list(run.client_rows[0])
+                    (folder / filename).write_text(
+                        table_csv(header, [[r.get(k, "") for k in header] for r in run.client_rows]), encoding="utf-8")
+        (self.path / COMPARISON).write_text(comparison_csv(results), encoding="utf-8")
+        (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to), encoding="utf-8")
+
+    def mark_incomplete(self, reason: str) -> None:
+        (self.path / INCOMPLETE).write_text(reason + "\n", encoding="utf-8")
+
+    def _folder(self, name: str) -> Path:
+        folder = self.path / "runs" / slug(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+
+def _num(value: float):
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def comparison_csv(results: list) -> str:
+    keys = sorted({k for r in results for k in r.summary})
+    header = ["run", "n_seeds", "seeds", *[f"{k}_{part}" for k in keys for part in ("mean", "ci95")]]
+    rows = []
+    for r in results:
+        row = [r.name, len(r.runs), " ".join(map(str, r.seeds))]
+        for k in keys:
+            s = r.summary.get(k)
+            row += [_num(s.mean), _num(s.ci95)] if s is not None else ["", ""]
+        rows.append(row)
+    return table_csv(header, rows)
+
+
+DIFF_HEADER = ["run", "vs", "metric", "n", "mean", "ci95", "low", "high", "excludes_zero"]
+
+
+def _diff_row(run: str, vs: str, metric: str, d: Summary) -> list:
+    return [run, vs, metric, d.n, _num(d.mean), _num(d.ci95), _num(d.low), _num(d.high),
+            "" if math.isnan(d.ci95) else str(bool(d.excludes_zero)).lower()]
+
+
+def differences(result, ref, metric: str) -> Summary | None:
+    common = [s for s in result.seeds if s in ref.seeds]
+    if not common or metric not in result.summary or metric not in ref.summary:
+        return None
+    mine = dict(zip(result.seeds, result.values(metric)))
+    theirs = dict(zip(ref.seeds, ref.values(metric)))
+    return paired_difference([mine[s] for s in common], [theirs[s] for s in common])
+
+
+def differences_csv(results: list, compare_to: str | None) -> str:
+    rows = []
+    if results:
+        ref = next((r for r in results if r.name == compare_to), results[0])
+        keys = sorted({k for r in results for k in r.summary if not k.startswith("gain_vs_")})
+        for r in results:
+            if r is ref:
+                continue
+            for key in keys:
+                d = differences(r, ref, key)
+                if d is not None:
+                    rows.append(_diff_row(r.name, ref.name, key, d))
+        for r in results:
+            for key, vs in (("gain_vs_best_reference", "best reference (acc_mean)"),
+                            ("gain_vs_local", "local (acc_mean)")):
+                if key in r.summary:
+                    rows.append(_diff_row(r.name, vs, key, r.summary[key]))
+    return table_csv(DIFF_HEADER, rows)
+
+
+def dumps_spec(raw: dict) -> str:
+    return dump_toml(raw)

@@ -1,0 +1,301 @@
+"""What a run could not log because its MLflow store was unreachable, kept on disk and sent later.
+
+When a tracking call fails because the store went away (an HTTP server that refuses or times
+out, a SQLite file another process holds locked), :class:`pfl_core.tracking.MlflowTracker`
+appends the call to a journal instead of stopping the run: a folder holding ``journal.jsonl``
+(one JSON record per call, in order: metrics with their step and timestamp, params, tags,
+artifacts, the run's end status), ``journal.json`` (the store's URI) and ``artifacts/`` (the
+files of the artifact calls, written when they failed). The journal is replayed, in order, when
+the store answers again (tried at most every ``PFL_TRACKING_RETRY_SECONDS``, 30 s by default,
+so an outage does not slow the rounds), at the end of the run, on ``pfl-run --resume``, or by
+``pfl replay JOURNAL``. Metrics keep the timestamp of their first attempt, so a record the
+store did receive before its answer was lost is not stored twice (MLflow drops a metric equal
+in key, value, step and timestamp); params, tags and artifacts are idempotent. A journal fully
+sent is deleted.
+
+Where it is: ``<the run's checkpoint folder>/journal``; a run without checkpoints (and a sweep's
+or seed set's parent run) uses ``pfl-journal/<run id>`` beside a SQLite store's file, or in the
+working directory for a tracking server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+from pfl_core.errors import PflError
+from pfl_core.state.locations import beside_store
+
+FORMAT = "pfl-journal/1"
+RECORDS = "journal.jsonl"
+META = "journal.json"
+ARTIFACTS = "artifacts"
+CHECKPOINT_SUBFOLDER = "journal"  # inside a run's checkpoint folder
+FALLBACK_FOLDER = "pfl-journal"  # <this>/<run id> when the run has no checkpoint folder
+METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch request
+
+# MLflow's HTTP client retries a failed request 7 times with exponential back-off (minutes) and
+# waits 120 s for an answer. pfl's own calls use these instead (a variable the user set wins):
+# one try, 10 s, so an outage costs at most a timeout per retry of the journal.
+SHORT_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+# Folders of journals that still hold records at the end of their run (the command line exits 3).
+UNSENT: list[Path] = []
+
+
+@contextlib.contextmanager
+def short_http(force: dict[str, str] | None = None) -> Iterator[None]:
+    """MLflow HTTP calls inside fail fast (:data:`SHORT_HTTP`; ``force``: these values even
+    over the user's own). The environment is restored afterwards."""
+    wanted = {name: value for name, value in SHORT_HTTP.items() if name not in os.environ}
+    wanted.update(force or {})
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether a tracking call failed because the store is away or overloaded (connection
+    refused or reset, timeout, HTTP 5xx or 429, SQLite "database is locked"), not because the
+    call itself is wrong (HTTP 4xx: a bad value, an unknown run), which is raised as before."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        status = exc.get_http_status_code()
+        return status >= 500 or status == 429
+    try:
+        import requests
+
+        if isinstance(exc, requests.exceptions.RequestException):
+            return True
+    except ImportError:  # pragma: no cover - requests comes with mlflow
+        pass
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return type(exc).__name__ == "OperationalError" and type(exc).__module__.startswith("sqlalchemy")
+
+
+def reason(exc: BaseException) -> str:
+    """The useful part of a store failure, short: ``[Errno 111] Connection refused``."""
+    import re
+
+    text = " ".join(str(exc).split())
+    found = re.findall(r"(\[Errno -?\d+\][^\"')]*|Connection aborted|Connection reset by peer|Remote end closed "
+                       r"connection without response|Read timed out|timed out|database is locked|error code \d+|"
+                       r"too many \d+ error responses)", text)
+    return found[-1].strip()[:160] if found else (text[:160] or type(exc).__name__)
+
+
+def fallback_folder(tracking_uri: str, run_id: str) -> Path:
+    """``pfl-journal/<run id>`` beside a SQLite store's file, else in the working directory."""
+    return beside_store(tracking_uri) / FALLBACK_FOLDER / run_id
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Journal:
+    """One journal folder: records appended in order, replayed in order."""
+
+    def __init__(self, folder: Path | str, tracking_uri: str | None = None):
+        self.folder = Path(folder)
+        self.tracking_uri = tracking_uri
+
+    @property
+    def records_file(self) -> Path:
+        return self.folder / RECORDS
+
+    def pending(self) -> bool:
+        return self.records_file.is_file() and self.records_file.stat().st_size > 0
+
+    def stored_uri(self) -> str | None:
+        try:
+            return json.loads((self.folder / META).read_text(encoding="utf-8")).get("tracking_uri")
+        except (OSError, ValueError):
+            return None
+
+    def add(self, record: dict) -> None:
+        """Append one call. Artifact calls (``text``, ``figure``) become an ``artifact`` record of
+        a file written now into ``artifacts/``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta = self.folder / META
+        if not meta.exists():
+            meta.write_text(json.dumps({"format": FORMAT, "tracking_uri": self.tracking_uri}) + "\n",
+                            encoding="utf-8")
+        op = record["op"]
+        if op in ("text", "figure"):
+            artifact_file = record["artifact_file"]
+            directory, _, name = artifact_file.rpartition("/")
+            relative = f"{ARTIFACTS}/{uuid.uuid4().hex[:12]}/{name}"
+            path = self.folder / relative
+            path.parent.mkdir(parents=True)
+            if op == "text":
+                path.write_text(record["text"], encoding="utf-8")
+            else:
+                record["figure"].savefig(path)  # what MLflow's log_figure does with a matplotlib figure
+            record = {"op": "artifact", "run_id": record["run_id"], "file": relative,
+                      "artifact_path": directory or None}
+        with open(self.records_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict]:
+        """The records in order; a last line cut by a kill mid-write is left out."""
+        if not self.records_file.is_file():
+            return []
+        out = []
+        for line in self.records_file.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def replay(self, client, keep: Callable[[dict], bool] = lambda record: True) -> int:
+        """Send the records (those ``keep`` accepts; the others are dropped) to ``client``
+        (an ``MlflowClient``) in order, consecutive metrics of a run in one batch. On a failure
+        the records not sent are written back and the exception propagates; when all are sent,
+        the folder is deleted. Returns the number of records sent."""
+        records = [r for r in self.records() if keep(r)]
+        sent = 0
+        try:
+            while sent < len(records):
+                group = _metrics_group(records, sent)
+                if group > 1:
+                    send_metrics(client, records[sent:sent + group])
+                else:
+                    send(client, records[sent], self.folder)
+                sent += group
+        except BaseException:
+            self._rewrite(records[sent:])
+            raise
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder.parent.name == FALLBACK_FOLDER:
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # the last run's journal: no empty pfl-journal/ left
+        return sent
+
+    def _rewrite(self, records: list[dict]) -> None:
+        tmp = self.folder / f".{RECORDS}.tmp-{os.getpid()}"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, self.records_file)
+
+
+def _metrics_group(records: list[dict], start: int) -> int:
+    """How many records from ``start`` are metrics of the same run (one log_batch)."""
+    first = records[start]
+    if first["op"] != "metrics":
+        return 1
+    end, count = start, 0
+    while (end < len(records) and records[end]["op"] == "metrics" and records[end]["run_id"] == first["run_id"]
+           and (end == start or count + len(records[end]["metrics"]) <= METRICS_PER_BATCH)):
+        count += len(records[end]["metrics"])
+        end += 1
+    return end - start
+
+
+def send_metrics(client, records: list[dict]) -> None:
+    from mlflow.entities import Metric
+
+    metrics = [Metric(key, float(value), r["timestamp"], r["step"]) for r in records
+               for key, value in r["metrics"].items()]
+    client.log_batch(records[0]["run_id"], metrics=metrics)
+
+
+def send(client, record: dict, folder: Path | None = None) -> None:
+    """Perform one tracking call (a record) with ``client``, an ``MlflowClient``."""
+    op, run_id = record["op"], record["run_id"]
+    if op == "metrics":
+        send_metrics(client, [record])
+    elif op == "params":
+        from mlflow.entities import Param
+
+        client.log_batch(run_id, params=[Param(k, v) for k, v in record["params"].items()])
+    elif op == "tag":
+        client.set_tag(run_id, record["key"], record["value"])
+    elif op == "delete_tag":
+        client.delete_tag(run_id, record["key"])
+    elif op == "text":
+        client.log_text(run_id, record["text"], record["artifact_file"])
+    elif op == "figure":
+        client.log_figure(run_id, record["figure"], record["artifact_file"])
+    elif op == "artifact":
+        client.log_artifact(run_id, str(folder / record["file"]), record["artifact_path"])
+    elif op == "end":
+        client.set_terminated(run_id, record["status"], record["end_time"])
+    else:
+        raise PflError(f"unknown journal record {op!r} (written by another pfl version?)")
+
+
+def describe(record: dict) -> str:
+    """A record in a few words, for an error line."""
+    op = record.get("op")
+    if op == "metrics":
+        return f"metrics of step {record.get('step')} of run {record.get('run_id')}"
+    if op == "artifact":
+        return f"artifact {record.get('file', '').rpartition('/')[2]} of run {record.get('run_id')}"
+    return f"{op} of run {record.get('run_id')}"
+
+
+# -- pfl replay ----------------------------------------------------------------------------------
+
+
+def journal_folders(path: Path) -> list[Path]:
+    """The journals at ``path``: it, or every journal under it (a run's checkpoint folder, a
+    ``pfl-journal`` folder)."""
+    if (path / RECORDS).is_file() or (path / META).is_file():
+        return [path]
+    return sorted(p.parent for p in path.rglob(RECORDS))
+
+
+def replay_main(paths: list[str], tracking_uri: str | None = None, out=None) -> int:
+    """``pfl replay JOURNAL ... [--tracking-uri URI]``: send what runs could not log. Exit 0
+    when everything was sent, 3 when a store is still unreachable (the journals are kept),
+    PflError (exit 2) for a path that holds no journal or a record the store refuses."""
+    import mlflow
+
+    out = out or sys.stderr
+    folders = []
+    for path in paths:
+        found = journal_folders(Path(path).expanduser())
+        if not found:
+            raise PflError(f"{path}: no journal there (a folder holding {RECORDS})")
+        folders += found
+    waiting = []
+    for folder in folders:
+        journal = Journal(folder)
+        uri = tracking_uri or journal.stored_uri()
+        if not uri:
+            raise PflError(f"{folder}: the journal does not say its tracking store; give --tracking-uri")
+        count = len(journal.records())
+        try:
+            with short_http():
+                sent = journal.replay(mlflow.MlflowClient(tracking_uri=uri))
+        except PflError:
+            raise
+        except Exception as exc:
+            if not is_outage(exc):
+                left = journal.records()
+                what = describe(left[0]) if left else "a record"
+                raise PflError(f"{folder}: the store {uri} refused the {what}: {reason(exc)}; the journal "
+                               f"is kept") from None
+            waiting.append(folder)
+            print(f"pfl replay: {uri} is unreachable ({reason(exc)}); {folder} is kept "
+                  f"({len(journal.records())} of {count} records left)", file=out)
+            continue
+        print(f"pfl replay: sent {sent} records to {uri}; {folder} removed", file=out)
+    return 3 if waiting else 0

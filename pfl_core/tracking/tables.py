@@ -1,0 +1,15 @@
+"""CSV text of a table (per-client results, comparison tables), numbers to 6 significant digits."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+
+def table_csv(header: list, rows: list[list]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row])
+    return out.getvalue()

@@ -1,0 +1,437 @@
+"""Run tracking: MLflow, or nothing (``tracking.enabled = false``), behind one interface; the
+tags and UI links pfl writes; the flattened parameters; the accuracy-distribution artifact."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pfl_core.errors import PflError
+from pfl_core.state.locations import artifact_root_for
+from pfl_core.tracking import journal
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists become JSON. Same keys for every method."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict) and data:
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    key = prefix[:-1]
+    if isinstance(data, dict):  # an empty table still gets its param, so every run has it
+        out[key] = "{}"
+    elif isinstance(data, (list, tuple)):
+        out[key] = json.dumps(data)
+    elif data is None:
+        out[key] = "none"
+    else:
+        out[key] = str(data)
+    return out
+
+
+STUDY_TAG = "pfl.study"
+TRACKING_URI_TAG = "pfl.tracking_uri"
+NOTE_TAG = "mlflow.note.content"
+GIT_TAGS = ("mlflow.source.git.commit", "mlflow.source.git.branch", "mlflow.source.git.repoURL")
+# The tag MLflow 3's UI reads to decide what an experiment holds (its sidebar's "Model training"
+# against "GenAI"); the UI's own values: custom_model_development, genai_development.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+PARENT_TAG = "mlflow.parentRunId"
+MODEL_TRAINING = "custom_model_development"
+# MLflow 3's runs table shows no metric column by default. Its UI keeps a saved view of the
+# table in an experiment tag (the format its "share view" writes); pfl saves one with the key
+# metrics as columns, and the links it prints open it. A UI-internal format: if a later MLflow
+# ignores it, the link still opens the runs.
+KEY_METRICS = ("acc_mean", "acc_p10", "comm_up_bytes")
+KEY_METRICS_VIEW = "pfl-key-metrics"
+VIEW_TAG = f"mlflow.sharedViewState.{KEY_METRICS_VIEW}"
+# The UI remembers per browser whether it shows GenAI or model-training experiments and opens
+# a new browser on GenAI, whatever the experiment's kind tag says; this query switches it.
+RUNS_QUERY = "workflowType=machine_learning"
+
+
+def key_metrics_view() -> str:
+    columns = [f"metrics.`{name}`" for name in KEY_METRICS]
+    now = int(time.time() * 1000)
+    return json.dumps({"name": "pfl: key metrics", "createdAt": now, "updatedAt": now,
+                       "state": json.dumps({"selectedColumns": columns})})
+
+
+def runs_links(base: str, experiment_id: str) -> list[str]:
+    """The MLflow UI addresses of an experiment's runs: the chart view and the table with the
+    key metrics as columns."""
+    runs = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_QUERY}"
+    return [f"{runs}&compareRunsMode=CHART", f"{runs}&viewStateShareKey={KEY_METRICS_VIEW}"]
+
+
+# The current invocation's pfl_core.tracking.study.Study (None outside one); set by study.studied.
+_STUDY: contextvars.ContextVar = contextvars.ContextVar("pfl_study", default=None)
+
+
+def current_study():
+    """The study of the ``pfl-run`` invocation in progress (None outside one)."""
+    return _STUDY.get()
+
+
+def run_status(exc: BaseException) -> str:
+    """The MLflow status of a run a ``exc`` stopped: KILLED for Ctrl-C and SIGTERM
+    (KeyboardInterrupt, :class:`pfl_core.errors.Interrupted`), FAILED otherwise."""
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+
+
+class NullTracker:
+    """Tracking switched off: everything is accepted and dropped."""
+
+    run_id = None
+
+    def start(self, experiment: str, run_name: str, params: dict[str, str], tags: dict[str, str]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_text(self, text: str, filename: str) -> None:
+        pass
+
+    def log_figure(self, figure, filename: str) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
+        pass
+
+    def log_param(self, key: str, value: Any) -> None:
+        """One more param of the running run (a value a plugin resolved at run time)."""
+
+    def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
+        """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
+
+    def keep_journal_in(self, folder) -> None:
+        """The run's checkpoint folder (or None): where calls the store misses are kept."""
+
+    def end(self, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracker(NullTracker):
+    """Logs to MLflow. ``uri`` empty: MLflow's own default (sqlite ``mlflow.db`` here)."""
+
+    def __init__(self, uri: str = "", study=None):
+        import logging
+
+        import mlflow  # imported lazily: it is slow and only needed when tracking
+
+        # Quiet MLflow's start-up chatter (database migrations, run links) on stderr.
+        for name in ("alembic", "mlflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # MLflow logs a store's database errors with a traceback; an outage is said in one line
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+        self.mlflow = mlflow
+        if uri:
+            mlflow.set_tracking_uri(uri)
+        self.study = study
+        self.run_id = None
+        # Calls the store misses (it went away mid-run) go to a journal (pfl_core/journal.py),
+        # replayed at most every retry_seconds, at the end, on --resume or by `pfl replay`.
+        self.journal = None
+        self.journal_home: Path | None = None  # <checkpoint folder>/journal, once known
+        self.retry_seconds = float(os.environ.get("PFL_TRACKING_RETRY_SECONDS", "30"))
+        self.next_retry = 0.0
+        self.last_step: int | None = None
+        self.refusal_said = False
+
+    def _set_experiment(self, name: str) -> None:
+        """Select (create) the experiment; a new one is a model-training experiment (MLflow 3's
+        UI opens it on its runs) and, on a SQLite store, keeps its artifacts beside the file."""
+        mlflow = self.mlflow
+        client = mlflow.MlflowClient()
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                client.create_experiment(name, artifact_location=artifact_root_for(mlflow.get_tracking_uri()),
+                                         tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING, VIEW_TAG: key_metrics_view()})
+            except Exception:  # created meanwhile by another process: use that one
+                if client.get_experiment_by_name(name) is None:
+                    raise
+        elif experiment.lifecycle_stage == "active":
+            if EXPERIMENT_KIND_TAG not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+            if VIEW_TAG not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, VIEW_TAG, key_metrics_view())
+        self.experiment_id = mlflow.set_experiment(name).experiment_id
+
+    def start(self, experiment, run_name, params, tags):
+        with journal.short_http():
+            self._start(experiment, run_name, params, tags)
+
+    def _start(self, experiment, run_name, params, tags):
+        mlflow = self.mlflow
+        try:
+            self._set_experiment(experiment)
+        except Exception as exc:  # unreachable server, unwritable store
+            raise PflError(f"MLflow tracking at {mlflow.get_tracking_uri()} failed: {one_line(exc)} (tracking.uri)") from None
+        if self.study is not None and self.study.pending is not None:
+            self.study.begin()  # the study's parent first: this run nests under it
+        uri = mlflow.get_tracking_uri()
+        context = {TRACKING_URI_TAG: uri}
+        if self.study is not None:
+            context.update(self.study.tags())
+        # A run started while another is active (a seed of a repeated experiment, a sweep point
+        # of a study) is its child, told apart by its parent; a top-level run by its name.
+        nested = mlflow.active_run() is not None
+        if not nested:
+            run_name = self._unused_name(run_name)
+        run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=nested)
+        self.run_id = run.info.run_id
+        if self.study is not None:
+            # MLflow's own git tags describe the checkout of the running script (pfl-run's), not
+            # the spec's: keep only those of the spec's directory.
+            for key in GIT_TAGS:
+                if key not in self.study.git and key in run.data.tags:
+                    self._log({"op": "delete_tag", "key": key})
+        if "tracking.uri" in params:  # the store used (the spec's value may be "" or overridden)
+            params = {**params, "tracking.uri": uri}
+        self._log({"op": "params", "params": dict(sorted(fit_params(params).items()))})  # sent in batches
+
+    def _unused_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3`` ... when top-level runs of the experiment already
+        have it: the same spec run twice gives two runs that can be told apart in the UI."""
+        quote = "'" if "'" not in name else '"'
+        if quote in name:  # both quotes in it: not expressible in a filter, compare all names
+            query = ""
+        else:  # LIKE's wildcards (% _) in the name only widen the search; the names are compared below
+            query = f"attributes.run_name LIKE {quote}{name}%{quote}"
+        runs = self.mlflow.MlflowClient().search_runs([self.experiment_id], query, max_results=5000)
+        taken = {run.info.run_name for run in runs if PARENT_TAG not in run.data.tags}
+        if name not in taken:
+            return name
+        suffixes = [int(t[len(name) + 1:]) for t in taken
+                    if t.startswith(f"{name}-") and t[len(name) + 1:].isdigit()]
+        return f"{name}-{max(suffixes, default=1) + 1}"
+
+    def resume(self, run_id: str) -> None:
+        """Continue run ``run_id`` (``pfl-run --resume``): the metrics it already holds, logged
+        after its checkpoint and before it stopped, are not logged again (they are identical)."""
+        mlflow = self.mlflow
+        try:
+            with journal.short_http():
+                run = mlflow.start_run(run_id=run_id)
+                client = mlflow.MlflowClient()
+                self.logged = {(key, m.step) for key in run.data.metrics
+                               for m in client.get_metric_history(run_id, key)}
+        except Exception as exc:
+            raise PflError(f"--resume: MLflow run {run_id} cannot be continued at {mlflow.get_tracking_uri()}: "
+                           f"{one_line(exc)}") from None
+        self.run_id = run_id
+
+    def log_metrics(self, metrics, step):
+        logged = getattr(self, "logged", None)
+        if logged:
+            metrics = {k: v for k, v in metrics.items() if (k, step) not in logged}
+            if not metrics:
+                return
+        self.last_step = step
+        self._log({"op": "metrics", "step": int(step), "timestamp": journal.now_ms(),
+                   "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def log_text(self, text, filename):
+        self._log({"op": "text", "text": text, "artifact_file": filename})
+
+    def log_figure(self, figure, filename):
+        self._log({"op": "figure", "figure": figure, "artifact_file": filename})
+
+    def set_tag(self, key, value):
+        self._log({"op": "tag", "key": key, "value": str(value)})
+
+    def log_param(self, key, value):
+        self._log({"op": "params", "params": fit_params({key: str(value)})})
+
+    def log_metrics_to(self, run_id, metrics):
+        if run_id is None or not metrics:
+            return
+        self._log({"op": "metrics", "run_id": run_id, "step": 0, "timestamp": journal.now_ms(),
+                   "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def end(self, status="FINISHED"):
+        if self.run_id is None:
+            return
+        if self._journal_pending():  # one last replay before the status
+            self._replay()
+        end_time = journal.now_ms()
+        try:  # end_run takes the run off MLflow's stack of active runs first, then tells the store
+            with journal.short_http():
+                self.mlflow.end_run(status=status)
+        except Exception as exc:
+            if not journal.is_outage(exc):
+                raise
+            self._keep({"op": "end", "run_id": self.run_id, "status": status, "end_time": end_time}, exc)
+        else:
+            if self._journal_pending():  # the store came back between the replay and end_run
+                self._replay()
+        if self._journal_pending():
+            folder = self.journal.folder
+            journal.UNSENT.append(folder)
+            self._say(f"the {self._store()} is still unreachable: what run {self.run_id} could "
+                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it when the server is "
+                      f"back with: pfl replay {shlex.quote(str(folder))}")
+        self.run_id = None
+
+    # -- the journal of calls the store missed ----------------------------------------------------
+
+    def keep_journal_in(self, folder) -> None:
+        """Keep the journal in ``<folder>/journal`` (the run's checkpoint folder). A journal
+        already there is a resumed run's earlier part: it is replayed now, its end status left
+        out (the run goes on), and its metrics are not logged again by the resumed rounds."""
+        if folder is None:
+            return
+        self.journal_home = Path(folder) / journal.CHECKPOINT_SUBFOLDER
+        earlier = journal.Journal(self.journal_home, self._uri())
+        if not earlier.pending():
+            return
+        run_id = self.run_id
+        self.logged = getattr(self, "logged", set()) | {
+            (key, r["step"]) for r in earlier.records() if r["op"] == "metrics" and r["run_id"] == run_id
+            for key in r["metrics"]}
+        self.journal = earlier
+        self._replay(keep=lambda r: not (r["op"] == "end" and r["run_id"] == run_id))
+
+    def _uri(self) -> str:
+        return self.mlflow.get_tracking_uri()
+
+    def _store(self) -> str:
+        uri = self._uri()
+        return f"tracking server {uri}" if uri.startswith(("http://", "https://")) else f"tracking store {uri}"
+
+    def _journal_pending(self) -> bool:
+        return self.journal is not None and self.journal.pending()
+
+    def _log(self, record: dict) -> None:
+        """Send one call to the store; while a journal holds calls (the store was away), the
+        journal is replayed first when a retry is due, and the call joins it if that fails."""
+        record.setdefault("run_id", self.run_id)
+        if self._journal_pending():
+            if time.monotonic() >= self.next_retry:
+                self._replay()
+            if self._journal_pending():
+                self.journal.add(record)
+                return
+        started = time.monotonic()
+        try:
+            with journal.short_http():
+                journal.send(self.mlflow.MlflowClient(), record)
+        except Exception as exc:
+            if not journal.is_outage(exc):
+                raise
+            self._keep(record, exc, time.monotonic() - started)
+
+    def _keep(self, record: dict, exc: BaseException, cost: float = 0.0) -> None:
+        """The store missed ``record``: into the journal (said once per run), next retry later."""
+        first = self.journal is None
+        if first:
+            home = self.journal_home or journal.fallback_folder(self._uri(), self.run_id or record["run_id"])
+            self.journal = journal.Journal(home, self._uri())
+        self.journal.add(record)
+        self._retry_later(cost)
+        if first:
+            if record["op"] == "metrics" and record["run_id"] == self.run_id:
+                when = f"at round {record['step']}"
+            elif self.last_step is not None:
+                when = f"after round {self.last_step}"
+            else:
+                when = "before the first round"
+            if self.run_id is None:  # logging to runs that ended (a sweep's gains): no end() to try again
+                journal.UNSENT.append(self.journal.folder)
+                self._say(f"{self._store()} unreachable ({journal.reason(exc)}): metrics of run "
+                          f"{record['run_id']} kept in {self.journal.folder}; send them when the server is back "
+                          f"with: pfl replay {shlex.quote(str(self.journal.folder))}")
+                return
+            later = " or on --resume" if self.journal_home is not None else ""
+            self._say(f"{self._store()} unreachable {when} ({journal.reason(exc)}): metrics kept in "
+                      f"{self.journal.folder}; they are replayed when it returns{later}")
+
+    def _retry_later(self, cost: float) -> None:
+        # A failed attempt that took long (a timeout, a locked SQLite file waits 20 s) is retried
+        # less often: at most a tenth of the time goes into retrying. 0: at every call, whatever
+        # it costs.
+        self.next_retry = time.monotonic() + (max(self.retry_seconds, 10 * cost) if self.retry_seconds else 0)
+
+    def _replay(self, keep=lambda record: True) -> None:
+        started = time.monotonic()
+        try:
+            with journal.short_http():
+                self.journal.replay(self.mlflow.MlflowClient(), keep)
+        except Exception as exc:
+            self._retry_later(time.monotonic() - started)
+            if not journal.is_outage(exc) and not self.refusal_said:  # kept; `pfl replay` names it
+                self.refusal_said = True
+                self._say(f"the tracking store {self._uri()} refuses a journaled call ({journal.reason(exc)}); "
+                          f"it stays in {self.journal.folder}")
+
+    @staticmethod
+    def _say(text: str) -> None:
+        """One line on stderr that does not break a progress bar."""
+        from tqdm import tqdm
+
+        tqdm.write(f"pfl: {text}", file=sys.stderr)
+
+
+def fit_params(params: dict[str, str]) -> dict[str, str]:
+    """Params as MLflow accepts them: a value longer than its limit (6000 characters in MLflow
+    3, 500 in older ones; a long ``model.clients`` list) is cut and says so; the run's
+    ``resolved_spec.toml`` holds it whole."""
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
+    except ImportError:  # pragma: no cover - moved in some MLflow version
+        limit = 500
+    out = {}
+    for key, value in params.items():
+        if len(value) > limit:
+            note = f"... ({len(value)} characters; whole in resolved_spec.toml)"
+            value = value[: limit - len(note)] + note
+        out[key] = value
+    return out
+
+
+ACCURACY_FIGURE = "results/client_accuracy.png"
+
+
+def log_accuracy_distribution(tracker, runs: list[tuple[str, list[dict]]], title: str) -> None:
+    """Log the final accuracy of every client, one box per run (``runs``: a label and its
+    per-client result rows, cold-start rows marked ``coldstart``) as ``results/client_accuracy.png``.
+    Nothing is drawn with tracking off."""
+    if type(tracker) is NullTracker:
+        return
+    groups = []
+    for label, rows in runs:
+        scored = [r for r in rows if isinstance(r.get("acc"), (int, float)) and r["acc"] == r["acc"]]  # not nan
+        groups.append((label, [float(r["acc"]) for r in scored], [bool(r.get("coldstart")) for r in scored]))
+    if not any(accs for _, accs, _ in groups):
+        return
+    from pfl_core.tracking import plots
+
+    fig = plots.accuracy_distribution_figure(groups, title)
+    try:
+        tracker.log_figure(fig, ACCURACY_FIGURE)
+    finally:
+        plots.close(fig)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def make_tracker(section, uri_override: str | None = None, study=None):
+    """The tracker for one run; ``study`` (default: the current ``pfl-run`` invocation's) adds
+    its tags."""
+    if not section.enabled:
+        return NullTracker()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    return MlflowTracker(uri_override or section.uri, study or current_study())
+
+
