@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import queue
@@ -49,12 +50,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PARAMS_TEST = "tests/test_baseline_params.py"  # every parameter of the issue-10 baselines
 SHARED_PARTIAL = ["tests/test_partial_baselines.py", "tests/test_pmixfed_baselines.py"]
 TESTS: dict[str, list[str]] = {
-    "pfl_core/aggregate.py": ["tests/test_aggregate.py", "tests/test_fedavg.py"],
-    "pfl_core/training.py": ["tests/test_training.py", "tests/test_core_loop.py"],
-    "pfl_core/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
-    "pfl_core/stateio.py": ["tests/test_stateio.py"],
+    "pfl_core/runtime/aggregate.py": ["tests/test_aggregate.py", "tests/test_fedavg.py"],
+    "pfl_core/runtime/training.py": ["tests/test_training.py", "tests/test_core_loop.py"],
+    "pfl_core/engine/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
+    "pfl_core/state/stateio.py": ["tests/test_stateio.py"],
     "pfl_core/models/zoo.py": ["tests/test_models.py"],
-    "pfl_core/executors.py": [f"tests/test_executors.py::{name}" for name in (
+    "pfl_core/execution/process.py": [f"tests/test_executors.py::{name}" for name in (
         "test_items_and_results_pickle_tensors_exactly",
         "test_pickler_sends_a_repeated_tensor_once_and_only_its_own_bytes",
         "test_pickler_leaves_parameters_and_graph_tensors_to_torch",
@@ -67,7 +68,7 @@ TESTS: dict[str, list[str]] = {
         "test_workers_die_with_a_killed_run")],
     "plugins/apfl": ["tests/test_apfl.py", PARAMS_TEST],
     "plugins/centralized": ["tests/test_centralized.py"],
-    "plugins/codistill": ["tests/test_cosmos.py", "tests/test_comet.py"],
+    "pfl_core/methods/codistill.py": ["tests/test_cosmos.py", "tests/test_comet.py"],
     "plugins/comet": ["tests/test_comet.py", PARAMS_TEST],
     "plugins/corrupted_clients": ["tests/test_addons.py"],
     "plugins/cosmos": ["tests/test_cosmos.py"],
@@ -90,7 +91,7 @@ TESTS: dict[str, list[str]] = {
     "plugins/fedsimsup": ["tests/test_fedsimsup.py"],
     "plugins/lgfedavg": SHARED_PARTIAL,
     "plugins/local": ["tests/test_local.py"],
-    "plugins/partial": SHARED_PARTIAL,
+    "pfl_core/methods/partial.py": SHARED_PARTIAL,
     "plugins/perfedavg": ["tests/test_perfedavg.py", PARAMS_TEST],
     "plugins/pfedfda": ["tests/test_pfedfda.py", PARAMS_TEST],
     "plugins/pfedme": ["tests/test_pfedme.py", PARAMS_TEST],
@@ -195,11 +196,16 @@ def run_tests_in_child(copy: Path, tests: list[str], timeout: float) -> tuple[st
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
+            # The copy's plugins/ folder as pfl_plugins (an editable install maps the checkout's)
+            spec = importlib.util.spec_from_file_location("pfl_plugins", copy / "plugins" / "__init__.py",
+                                                          submodule_search_locations=[str(copy / "plugins")])
+            pfl_plugins = importlib.util.module_from_spec(spec)
+            sys.modules["pfl_plugins"] = pfl_plugins
+            spec.loader.exec_module(pfl_plugins)
             import pytest
 
             code = pytest.main([*tests, *PYTEST_FLAGS, "--rootdir", str(copy)])
-            import plugins  # noqa: F401  the copy, not the checkout, was tested
-
+            # the copy, not the checkout, was tested
             if not Path(pfl_plugins.__file__).resolve().is_relative_to(copy.resolve()):
                 code = 99
         except BaseException:

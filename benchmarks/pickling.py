@@ -34,7 +34,7 @@ import torch
 
 from pfl_core import registry
 from pfl_core.execution import executors
-from pfl_core.execution.executors import _pickled
+from pfl_core.execution.process import _pickled
 
 
 def plain_pickled(item) -> bytes:

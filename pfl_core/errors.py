@@ -32,7 +32,7 @@ class NonFiniteError(PflError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM stopped the run. The engine and the runner fill in where:
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run. The engine and the study fill in where:
     ``round`` (the round in progress), ``run_name``, ``run_id``, ``tracking_uri`` and
     ``out_dir``; the command line prints them in one line and exits 128 + ``signum``."""
 

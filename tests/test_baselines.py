@@ -4,7 +4,7 @@ import torch
 from tiny import run_tiny, tiny_raw
 
 from pfl_core.engine import Engine, resolve
-from pfl_core.execution.executors import SequentialExecutor
+from pfl_core.execution import SequentialExecutor
 
 
 def assert_same_state(a, b):

@@ -28,7 +28,7 @@ from tiny import tiny_raw
 from pfl_core.cli import run_main
 from pfl_core.state import stateio
 from pfl_core.state.checkpoint import CLIENTS_DIR, CLIENTS_FILE, RUN_FILE, checkpoints
-from pfl_core.state.checkpoint import code_version as real_code_version
+from pfl_core.state.provenance import code_version as real_code_version
 
 WALL_CLOCK = ("round_seconds", "eval_seconds")  # differ between any two runs
 
@@ -49,7 +49,7 @@ METHODS = {  # one method of each kind the issue names
 def same_code_all_along(monkeypatch):
     """The code version, computed for real once and then kept: other work on the source tree
     while these tests run must not make a resume refuse its checkpoint."""
-    monkeypatch.setattr("pfl_core.state.checkpoint.code_version", frozen_code_version)
+    monkeypatch.setattr("pfl_core.state.provenance.code_version", frozen_code_version)
 
 
 def frozen_code_version(names, _computed={}):
@@ -249,7 +249,7 @@ def test_a_different_spec_or_code_is_refused_naming_what_differs(finished_run, c
     assert run_main(["--resume", run_id, "--tracking-uri", uri, spec, "--set", "checkpoint.keep=3", "--quiet"]) == 0
     capsys.readouterr()
 
-    monkeypatch.setattr("pfl_core.state.checkpoint.code_version",
+    monkeypatch.setattr("pfl_core.state.provenance.code_version",
                         lambda names: {"pfl": "0.1.0", "source_sha256": "0" * 64, "git_commit": ""})
     assert run_main(["--resume", run_id, "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err.strip()

@@ -154,11 +154,11 @@ def test_pfl_version_and_bare_pfl_print_usage_not_an_error(capsys):
 
 
 def test_an_internal_error_is_one_line_and_the_traceback_only_with_debug(tmp_path, capsys, monkeypatch):
-    from pfl_core.study import runner
+    import pfl_core.study as study
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero in a plugin")
 
-    monkeypatch.setattr(runner, "run_spec_file", broken)
+    monkeypatch.setattr(study, "run_spec_file", broken)
     spec = write_spec(tmp_path, tiny_raw())
     code, _, err = run_cli(capsys, spec)
     line = one_line_error(err)

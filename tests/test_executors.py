@@ -18,7 +18,10 @@ from tiny import tiny_raw
 from pfl_core import hookimpl
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError
-from pfl_core.execution import executors
+from pfl_core import execution as executors
+from pfl_core.execution import planner as plan_module
+from pfl_core.execution import process, views
+from pfl_core.execution import ray_executor as ray_module
 from pfl_core.spec import ExecutorSection, dump_toml
 
 WALL_CLOCK = ("round_seconds", "eval_seconds")
@@ -140,7 +143,7 @@ def test_a_plugin_error_in_a_worker_reaches_the_server_as_itself(monkeypatch):
     (2, 20, 5e6, ("sequential", 2, 1)),    # the quickstart's logistic regression: too little work to fork for
 ])
 def test_auto_picks_the_pool_only_when_it_pays(monkeypatch, cores, participants, work, expected):
-    monkeypatch.setattr(executors, "available_cores", lambda: cores)
+    monkeypatch.setattr(plan_module, "available_cores", lambda: cores)
     assert executors.plan(ExecutorSection(), "cpu", participants, work) == expected
     assert executors.plan(ExecutorSection(), "cuda", participants, work)[0] == "sequential"
     assert executors.plan(ExecutorSection(name="process", workers=3, threads=2), "cpu", 1, 1) == ("process", 3, 2)
@@ -148,7 +151,7 @@ def test_auto_picks_the_pool_only_when_it_pays(monkeypatch, cores, participants,
 
 def test_auto_counts_the_models_parameters(monkeypatch):
     """The same round with a 5000x wider model crosses the pool's threshold."""
-    monkeypatch.setattr(executors, "available_cores", lambda: 2)
+    monkeypatch.setattr(plan_module, "available_cores", lambda: 2)
     narrow = Engine(resolve(tiny_raw(**{"model.params.hidden": [4]})), progress=False)
     narrow.prepare()
     wide = Engine(resolve(tiny_raw(**{"model.params.hidden": [20000]})), progress=False)
@@ -204,7 +207,7 @@ def test_ray_on_a_gpu_device_is_one_line_naming_the_device():
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray", reason="Ray is not installed (optional extra: pip install -e '.[ray]')")
-    executors.start_local_ray(2)  # as the executor starts it: quiet, this process's import folders
+    ray_module.start_local_ray(2)  # as the executor starts it: quiet, this process's import folders
     yield ray
     ray.shutdown()
 
@@ -229,7 +232,7 @@ def test_ray_puts_the_run_data_in_the_object_store_once_per_run(local_ray, monke
     monkeypatch.setattr(local_ray, "put", counting_put)
     run("fedavg", {"name": "ray"}, rounds=3)  # 3 rounds of training and 3 evaluations
     assert len(shipped) == 1
-    assert set(shipped[0]) == set(executors.RUN_CONSTANT)
+    assert set(shipped[0]) == set(views.RUN_CONSTANT)
 
 
 def client_pid(view, item):
@@ -312,7 +315,7 @@ def test_workers_die_with_a_killed_run(tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "sys.path[:0] = [%r, %r]\n"
-        "from pfl_core.execution.executors import ProcessExecutor\n"
+        "from pfl_core.execution import ProcessExecutor\n"
         "def slow(i):\n"
         "    print(os.getpid(), flush=True)\n"
         "    time.sleep(60)\n"
@@ -337,7 +340,7 @@ def test_the_parent_imports_what_the_first_optimiser_step_would_before_forking()
     import subprocess
     import sys
     code = ("import sys, torch\n"
-            "from pfl_core.execution.executors import ProcessExecutor\n"
+            "from pfl_core.execution import ProcessExecutor\n"
             "assert 'torch._dynamo' not in sys.modules\n"
             "assert list(ProcessExecutor(2).map(abs, [-1, -2])) == [1, 2]\n"
             "print('torch._dynamo' in sys.modules)\n")
@@ -369,7 +372,7 @@ def test_items_and_results_pickle_tensors_exactly(case):
 
     tensor = _pickle_cases()[case]
     before = tensor.clone()
-    back = pickle.loads(executors._pickled({"t": tensor, "n": 3}))["t"]
+    back = pickle.loads(process._pickled({"t": tensor, "n": 3}))["t"]
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     assert torch.equal(back.float(), tensor.float())
     back.zero_()  # writable, and not the original's memory
@@ -380,12 +383,12 @@ def test_pickler_sends_a_repeated_tensor_once_and_only_its_own_bytes():
     import pickle
 
     weights = torch.randn(1000)
-    twice = executors._pickled({"a": weights, "b": weights})
+    twice = process._pickled({"a": weights, "b": weights})
     assert len(twice) < 1.1 * 4000
     back = pickle.loads(twice)
     assert back["a"] is back["b"]
     # a 3-element view of the 1,000-element storage sends 3 elements (torch's reduction, the whole storage)
-    assert len(executors._pickled(weights[:3])) < 400 < 4000 < len(pickle.dumps(weights[:3]))
+    assert len(process._pickled(weights[:3])) < 400 < 4000 < len(pickle.dumps(weights[:3]))
 
 
 def test_pickler_leaves_parameters_and_graph_tensors_to_torch():
@@ -393,6 +396,6 @@ def test_pickler_leaves_parameters_and_graph_tensors_to_torch():
 
     parameter = torch.nn.Parameter(torch.randn(3))
     leaf = torch.randn(2, requires_grad=True)
-    back = pickle.loads(executors._pickled({"p": parameter, "leaf": leaf}))
+    back = pickle.loads(process._pickled({"p": parameter, "leaf": leaf}))
     assert isinstance(back["p"], torch.nn.Parameter) and torch.equal(back["p"], parameter)
     assert back["leaf"].requires_grad and torch.equal(back["leaf"], leaf)

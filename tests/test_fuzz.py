@@ -570,7 +570,7 @@ def test_fuzzed_shipped_specs_end_in_exit_0_or_one_clean_line(tmp_path):
 def test_the_judge_catches_each_kind_of_failure(tmp_path, monkeypatch, behaviour, kind):
     """The fuzzer's own checks: a run that hangs, raises, or prints a bad line is a failure."""
     from pfl_core.errors import PflError, SpecError
-    from pfl_core.study import runner
+    import pfl_core.study as study
 
     def fake_run(*args, **kwargs):
         if behaviour == "sleep":
@@ -586,7 +586,7 @@ def test_the_judge_catches_each_kind_of_failure(tmp_path, monkeypatch, behaviour
             raise SpecError("training.lr", "got <class 'float'>")
         raise SpecError("training.lr", "must be > 0")
 
-    monkeypatch.setattr(runner, "run_spec_file", fake_run)
+    monkeypatch.setattr(study, "run_spec_file", fake_run)
     case = Case(0, "quickstart.toml", {"training": {"lr": 0.1}})
     assert run_case(case, tmp_path, timeout=0.5).kind == kind
 

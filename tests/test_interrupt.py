@@ -147,9 +147,9 @@ def test_sigterm_between_rounds_checkpoints_and_prints_the_resume_command(tmp_pa
         return run_round(self, ctx, round, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "run_round", interrupted_at_3)
-    from pfl_core.state import checkpoint
-    version = checkpoint.code_version(["fedavg"])  # kept: other work on the tree must not refuse the resume
-    monkeypatch.setattr(checkpoint, "code_version", lambda names: version)
+    from pfl_core.state import provenance
+    version = provenance.code_version(["fedavg"])  # kept: other work on the tree must not refuse the resume
+    monkeypatch.setattr(provenance, "code_version", lambda names: version)
     assert run_main([write_spec(tmp_path, raw), "--quiet"]) == 143
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err

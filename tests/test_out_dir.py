@@ -93,8 +93,8 @@ def test_nothing_is_written_before_the_spec_validates(tmp_path, capsys):
 
 
 def test_a_late_failure_still_writes_what_finished(tmp_path, capsys, monkeypatch):
-    from pfl_core.study import runner
-    real = runner.Engine
+    from pfl_core.study import seeds
+    real = seeds.Engine
 
     class FailingOnLocalSeed1(real):
         def run(self):
@@ -102,7 +102,7 @@ def test_a_late_failure_still_writes_what_finished(tmp_path, capsys, monkeypatch
                 raise RuntimeError("boom in round 2")
             return super().run()
 
-    monkeypatch.setattr(runner, "Engine", FailingOnLocalSeed1)
+    monkeypatch.setattr(seeds, "Engine", FailingOnLocalSeed1)
     out = tmp_path / "results"
     code = run_main([write_spec(tmp_path, sweep_raw()), "--no-tracking", "--quiet", "--out", str(out)])
     _, err = capsys.readouterr()

@@ -16,7 +16,7 @@ import torch
 from pfl_core.data.federated import build_federated_data
 from pfl_core.runtime.context import ModelBank
 from pfl_core.spec import load_toml
-from pfl_core.study.runner import check_compare_to, reference_points, resolve_points, run_name_for
+from pfl_core.study.points import check_compare_to, reference_points, resolve_points, run_name_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.toml"))

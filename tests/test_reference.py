@@ -10,8 +10,11 @@ from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
 from pfl_core.engine import RunResult
-from pfl_core.study import runner, stats
-from pfl_core.study.runner import PointResult, gains, run_spec_file
+from pfl_core.study import points as study_points
+from pfl_core.study import run as study_run
+from pfl_core.study import run_spec_file, stats
+from pfl_core.study.points import PointResult
+from pfl_core.study.seeds import gains
 
 
 def _result(name, algorithm, seeds, accs):
@@ -46,13 +49,13 @@ def test_bad_reference_names_are_one_line_errors(tmp_path, capsys):
 
 def test_references_run_once_per_spec_and_a_sweep_point_equal_to_one_is_reused(tmp_path, monkeypatch):
     ran = []
-    real = runner.run_point
+    real = study_run.run_point
 
     def counting(point, name, *args):
         ran.append(name)
         return real(point, name, *args)
 
-    monkeypatch.setattr(runner, "run_point", counting)
+    monkeypatch.setattr(study_run, "run_point", counting)
     raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1],
                       "experiment.reference": ["local", "centralized"]})
     raw["sweep"] = {"algorithm.name": ["fedavg", "local", "fedprox"]}
@@ -75,8 +78,8 @@ def test_references_run_once_per_spec_and_a_sweep_point_equal_to_one_is_reused(t
 
 def test_references_follow_a_non_algorithm_sweep_axis(tmp_path, monkeypatch):
     ran = []
-    real = runner.run_point
-    monkeypatch.setattr(runner, "run_point", lambda p, name, *a: ran.append(name) or real(p, name, *a))
+    real = study_run.run_point
+    monkeypatch.setattr(study_run, "run_point", lambda p, name, *a: ran.append(name) or real(p, name, *a))
     raw = tiny_raw(**{"experiment.rounds": 1, "experiment.reference": ["local"]})
     raw["sweep"] = {"algorithm.name": ["fedavg", "fedprox"], "training.lr": [0.1, 0.05]}
     run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=open(tmp_path / "o.txt", "w"))
@@ -99,8 +102,8 @@ def test_gains_are_logged_to_the_parent_runs(tmp_path):
 
 def test_sweep_points_are_methods_with_their_own_budget_and_share_the_references(tmp_path, monkeypatch):
     ran = []
-    real = runner.run_point
-    monkeypatch.setattr(runner, "run_point", lambda p, name, *a: ran.append(name) or real(p, name, *a))
+    real = study_run.run_point
+    monkeypatch.setattr(study_run, "run_point", lambda p, name, *a: ran.append(name) or real(p, name, *a))
     raw = tiny_raw(**{"experiment.rounds": 2, "experiment.reference": ["local"]})
     raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}},
                                {"algorithm": {"name": "local"}, "training.local_epochs": 2}]}
@@ -117,8 +120,8 @@ def test_two_sweep_points_of_one_method_are_named_by_the_parameters_that_differ(
         {"name": "fedrep", "params": {"head_epochs": 10, "body_epochs": 1}},
         {"name": "fedavg"},
     ]})
-    points = runner.resolve_points(raw, [], [], False, [])
-    assert runner.run_names(points) == ["fedrep head_epochs=1", "fedrep head_epochs=10", "fedavg"]
+    points = study_points.resolve_points(raw, [], [], False, [])
+    assert study_points.run_names(points) == ["fedrep head_epochs=1", "fedrep head_epochs=10", "fedavg"]
 
 
 def test_a_reference_never_takes_a_sweep_points_method_overrides():
@@ -127,8 +130,8 @@ def test_a_reference_never_takes_a_sweep_points_method_overrides():
     raw = tiny_raw(**{"experiment.reference": ["local"], "training.local_epochs": 2})
     raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}, "training.local_epochs": 1},
                                {"algorithm": {"name": "fedprox"}}]}
-    points = runner.resolve_points(raw, ["experiment.rounds=3"], [], False, [])
-    [(label, reference)] = runner.reference_points(points)
+    points = study_points.resolve_points(raw, ["experiment.rounds=3"], [], False, [])
+    [(label, reference)] = study_points.reference_points(points)
     assert label == "local (reference)"
     assert reference.resolved.spec.training.local_epochs == 2
     assert reference.resolved.spec.experiment.rounds == 3  # --set still applies
@@ -138,6 +141,6 @@ def test_a_reference_never_takes_a_sweep_points_method_overrides():
 def test_a_reference_follows_its_groups_data_settings():
     raw = tiny_raw(**{"experiment.reference": ["local"]})
     raw["sweep"] = {"partition.num_clients": [3, 5], "algorithm.name": ["fedavg", "fedprox"]}
-    points = runner.resolve_points(raw, [], [], False, [])
-    references = runner.reference_points(points)
+    points = study_points.resolve_points(raw, [], [], False, [])
+    references = study_points.reference_points(points)
     assert [r.resolved.spec.partition.num_clients for _, r in references] == [3, 5]

@@ -12,7 +12,9 @@ from tiny import tiny_raw
 
 from pfl_core.engine import Engine, RunResult, resolve
 from pfl_core.study import stats
-from pfl_core.study.runner import PointResult, print_comparison, run_spec_file
+from pfl_core.study import run_spec_file
+from pfl_core.study.points import PointResult
+from pfl_core.study.report import print_comparison
 
 # -- statistics ------------------------------------------------------------------------------
 

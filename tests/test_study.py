@@ -15,7 +15,7 @@ from tiny import tiny_raw
 from pfl_core.runtime.context import RunContext
 from pfl_core.spec import dump_toml
 from pfl_core.state.locations import artifact_root_for
-from pfl_core.study.runner import run_spec_file
+from pfl_core.study import run_spec_file
 from pfl_core.tracking.study import spec_header
 from pfl_core.tracking.tracker import NullTracker
 

@@ -71,7 +71,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
 
     unsent_before = len(UNSENT)
     try:
-        from pfl_core.study.runner import resume_run, run_spec_file
+        from pfl_core.study import resume_run, run_spec_file
 
         if args.resume is not None:
             results = resume_run(args.resume, args.spec, args.overrides, tracking_uri=args.tracking_uri,

@@ -14,7 +14,7 @@ import torch
 from pfl_core import registry
 from pfl_core.data.federated import build_federated_data
 from pfl_core.errors import Interrupted, NonFiniteError, PflError, SpecError
-from pfl_core.execution import executors
+from pfl_core.execution.planner import make_executor, plan
 from pfl_core.payload import nbytes
 from pfl_core.registry import Plugin
 from pfl_core.runtime.client import ClientResult, ClientTask, copy_payload, run_client
@@ -153,10 +153,10 @@ class Engine:
             mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
             parameters = sum(t.numel() for t in models.initial_state(models.arch_of(0)).values())
             work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
-        name, workers, threads = executors.plan(spec.executor, device.type, per_round, work)
+        name, workers, threads = plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name in ("process", "ray") else 1, "threads": threads}
-        return executors.make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
+        return make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
 
     # -- one round --------------------------------------------------------------------
 

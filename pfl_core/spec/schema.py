@@ -162,7 +162,7 @@ class TrackingSection:
 @define
 class ExecutorSection:
     # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
-    # sequential (pfl_core/executors.py: plan). Every executor gives bit-identical results,
+    # sequential (pfl_core/execution/planner.py: plan). Every executor gives bit-identical results,
     # except "batched" (one architecture's clients trained together with torch.func.vmap,
     # pfl_core/batched.py), equal to them up to float rounding where it trains clients together.
     name: str = field(default="auto", validator=one_of("auto", "sequential", "process", "ray", "batched"))

@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 from pfl_core.errors import PflError
 from pfl_core.state import stateio
 from pfl_core.state.locations import beside_store, sqlite_file
+from pfl_core.state import provenance
 
 FORMAT = "pfl-checkpoint/1"
 RUN_FILE = "run.safetensors"
@@ -50,60 +50,6 @@ CHECKPOINT_TAG = "pfl.checkpoint"  # the MLflow tag naming the run's checkpoint 
 COST_TARGET = 0.05  # automatic period: checkpoint writes take under this fraction of the run time
 NAME = re.compile(r"^round-(\d+)$")
 SET_MARK = "__pfl_set__"  # stateio keeps no sets: a set is saved as {SET_MARK: [items]}
-
-
-# -- the code a checkpoint was written by --------------------------------------------------------
-
-
-def _package_files(module_file: Path) -> list[Path]:
-    """A plugin's source: its package's .py files when it is a package, else its one file."""
-    if module_file.name == "__init__.py":
-        return sorted(module_file.parent.rglob("*.py"))
-    return [module_file]
-
-
-def code_version(plugin_names: list[str]) -> dict[str, str]:
-    """pfl's version, the git commit of its checkout (if any; for information) and a SHA-256
-    over the source of ``pfl_core`` and of the plugins the spec names (what decides results)."""
-    import sys
-
-    from pfl_core import registry
-    from pfl_core._version import __version__
-
-    core = Path(__file__).resolve().parent
-    files = sorted(core.rglob("*.py"))
-    for name in sorted(set(plugin_names)):
-        try:
-            module = sys.modules[registry.plugin_class(name).__module__]
-        except Exception:  # an unknown name was refused when the spec was resolved
-            continue
-        if getattr(module, "__file__", None):
-            path = Path(module.__file__).resolve()
-            if core not in path.parents:
-                files += _package_files(path)
-    sha = hashlib.sha256()
-    for path in files:
-        if "__pycache__" in path.parts:
-            continue
-        sha.update(path.name.encode())
-        sha.update(path.read_bytes())
-    try:
-        done = subprocess.run(["git", "-C", str(core), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5)
-        commit = done.stdout.strip() if done.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"pfl": __version__, "source_sha256": sha.hexdigest(), "git_commit": commit}
-
-
-def plugin_names(spec) -> list[str]:
-    """Every plugin a spec names: algorithm, add-ons, dataset, partitioner, models."""
-    names = [spec.algorithm.name, *(a.name for a in spec.addons), spec.data.name, spec.partition.scheme,
-             spec.model.name, *(spec.model.clients or []), *(spec.model.pool or [])]
-    return names
-
-
-# -- values stateio cannot hold as they are -------------------------------------------------------
 
 
 def _portable(value: Any) -> Any:
@@ -316,7 +262,7 @@ class Checkpointer:
     def state(self, ctx, round: int, history: list[dict], rows: list[dict]) -> dict:
         engine = self.engine
         if self.code is None:
-            self.code = code_version(plugin_names(engine.spec))
+            self.code = provenance.code_version(provenance.plugin_names(engine.spec))
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         version, internal, python_gauss = random.getstate()
         rng = {"torch": torch.get_rng_state(), "numpy": [kind, keys.astype(np.int64), pos, has_gauss, gauss],
@@ -494,32 +440,3 @@ def restore(ctx, loaded: Loaded) -> tuple[int, list[dict], list[dict]]:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return ctx.round, list(state["history"]), list(state["rows"])
-
-
-def spec_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved spec dicts."""
-    out = []
-    for key in dict.fromkeys([*a, *b]):
-        path = f"{prefix}{key}"
-        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
-            out += spec_differences(a[key], b[key], f"{path}.")
-        elif key not in a or key not in b or a[key] != b[key]:
-            out.append(path)
-    return out
-
-
-# Keys a resume may change: where and how often checkpoints are written, the progress line.
-FREE_KEYS = ("checkpoint", "tracking.progress")
-
-
-def compared(as_dict: dict) -> dict:
-    import copy
-
-    out = copy.deepcopy(as_dict)
-    for key in FREE_KEYS:
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.get(p, {})
-        node.pop(leaf, None)
-    return out

@@ -12,7 +12,7 @@
                                files hold what finished before it
 
 A ``DIR`` that exists is refused (:class:`OutputExists`) unless ``overwrite``; nothing is
-written before the spec validates (the runner calls :meth:`ResultsDir.start` after it does).
+written before the spec validates (the study calls :meth:`ResultsDir.start` after it does).
 """
 
 from __future__ import annotations

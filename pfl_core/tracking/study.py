@@ -50,7 +50,7 @@ class Study:
 
     def log_comparison(self, results) -> None:
         """The parent's ``results/comparison.csv`` (each top-level run's mean and ci95 of every
-        final metric, from the runner's results: ``name``, ``run_id``, ``runs``, ``summary``),
+        final metric, from the study's results: ``name``, ``run_id``, ``runs``, ``summary``),
         ``best_acc_mean``, the tag ``pfl.best_run`` and each run's clients' final accuracy
         (``results/client_accuracy.png``, one box per run, its seeds pooled)."""
         if self.parent is None:

@@ -1,0 +1,278 @@
+"""The ``process`` executor: a pool of forked worker processes, one torch thread each, kept for
+the run; items and results pickled with CPU tensors as raw bytes."""
+
+from __future__ import annotations
+
+import collections
+import io
+import itertools
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import torch
+
+from pfl_core.errors import PflError
+from pfl_core.execution.views import rebuild_view_call, split_view_call
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# The function of the current ``ProcessExecutor.map``: set before the workers fork, so they
+# inherit it (and everything it refers to: data, models, plugins) without pickling.
+_work_fn: Callable | None = None
+_running = None  # shared array: per worker slot, (pid, index of the item it runs)
+_slot: int | None = None  # in a worker: its slot in _running
+
+
+_warmed_up = False
+
+
+def _warm_up_torch() -> None:
+    """Import in this process what torch imports lazily at the first optimiser step (~900
+    modules, torch._dynamo and sympy among them: seconds): a worker forked before that would
+    import them again in every pool, measured 5-14 s per worker here."""
+    global _warmed_up
+    if not _warmed_up:
+        parameter = torch.nn.Parameter(torch.ones(1))
+        optimizer = torch.optim.SGD([parameter], lr=0.0)
+        parameter.sum().backward()
+        optimizer.step()
+        _warmed_up = True
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGKILL when the run's process dies (even by SIGKILL), instead of
+    waiting forever on a queue nobody writes to any more."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_worker(threads: int, parent: int, running) -> None:
+    global _running, _slot
+    _running = running  # this pool's slot array
+    with running.get_lock():  # claim a free slot: (pid, item) pairs tell who ran what
+        _slot = next(s for s in range(len(running) // 2) if running[2 * s] == 0)
+        running[2 * _slot] = os.getpid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float]:
+    """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
+    torch's multiprocessing pickler would move tensors to shared memory instead. Each result
+    is pickled as soon as it is computed: an upload may share the worker's working model,
+    which the next item trains."""
+    started = time.process_time()
+    call, items = pickle.loads(payload)
+    fn = _work_fn if call is None else _view_call(call)
+    results = []
+    for index, item in zip(indices, items):
+        _running[2 * _slot + 1] = index  # which item a death is blamed on
+        results.append(_pickled(fn(item)))
+    return results, time.process_time() - started
+
+
+_pool_runtime: dict | None = None  # in a persistent pool's workers: the run's constant part
+
+
+def _view_call(call: tuple):
+    return rebuild_view_call(_pool_runtime, call)
+
+
+def _tensor_from_bytes(data, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """The tensor ``_TensorPickler`` took apart: a fresh contiguous CPU tensor over ``data``."""
+    return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+class _TensorPickler(pickle.Pickler):
+    """The plain pickler, except that a CPU tensor travels as its raw bytes (a numpy array,
+    pickle protocol 5). torch's own reduction writes every tensor through ``torch.save``: a
+    LeNet-5 state takes 0.80 ms to pickle and 1.03 ms to unpickle that way, 0.16 and 0.10 ms
+    this way (benchmarks/pickling.py), for each item and result of a map. The same tensor
+    object twice is still sent once (the pickle memo); two views of one storage become two
+    tensors. A tensor that requires grad, a subclass (``nn.Parameter``) and unusual layouts
+    keep torch's reduction."""
+
+    def reducer_override(self, obj):
+        if (type(obj) is not torch.Tensor or obj.requires_grad or obj.device.type != "cpu"
+                or obj.layout != torch.strided or obj.is_quantized or obj.is_conj() or obj.is_neg()):
+            return NotImplemented
+        return _tensor_from_bytes, (obj.contiguous().reshape(-1).view(torch.uint8).numpy(), obj.dtype, tuple(obj.shape))
+
+
+def _pickled(item) -> bytes:
+    buffer = io.BytesIO()
+    _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(item)
+    return buffer.getvalue()
+
+
+def _death(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        why = " (out of memory, or killed)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {code}"
+
+
+class ProcessExecutor:
+    """A pool of forked worker processes on this machine.
+
+    Forking shares the data set, the models and the plugins with the workers without copying
+    them (copy-on-write); only the items (a client's message and state) and the results (its
+    upload and new state) travel, pickled through pipes between this machine's own processes.
+    The client side of a round and of an evaluation (``functools.partial(f, ClientView, ...)``)
+    runs in one pool kept for the whole run: its workers rebuild each map's view from the run
+    they forked with and the round facts sent with the items. Any other function runs in a
+    pool forked for that ``map`` (it inherits the function as it is). Each worker runs one
+    torch thread. Results come back in the items' order whatever order the workers finish
+    in. A worker that dies is reported with the item it ran; that item and the ones not yet
+    finished are run again in a new pool, up to ``retries`` times per item.
+    """
+
+    name = "process"
+
+    # Items per task: one pickle per chunk, so an object every item shares (the broadcast
+    # weights of FedAvg-like methods, the evaluation message) is pickled once per chunk, not
+    # once per client. A chunk aims at CHUNK_SECONDS of work, from what the last map of the
+    # same function took per item (CHUNK items the first time): cheap items (evaluating a
+    # client: ~7 ms for LeNet-5) go many to a task, a round's clients (~0.1 s) one at a time,
+    # so that a worker left alone at the end of a map waits for little.
+    CHUNK = 4
+    MAX_CHUNK = 16
+    CHUNK_SECONDS = 0.05
+
+    def __init__(self, workers: int, threads: int = 1, retries: int = 1):
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise PflError("executor.name: 'process' needs the fork start method (Linux); "
+                           "use 'sequential' or 'ray' on this platform")
+        self.workers = workers
+        self.threads = threads
+        self.retries = retries
+        self._run_pool = None  # the pool of the run's client side, and the run it forked with
+        self._item_seconds: dict = {}  # CPU seconds per item of the last map, by function
+        self._run_pool_constant: dict | None = None
+
+    def _new_pool(self, fn=None, runtime: dict | None = None):
+        """A pool whose workers fork (at its first submit, right after this) with ``fn`` as the
+        function of this map, or with ``runtime`` to rebuild client-side calls on."""
+        global _work_fn, _pool_runtime
+        _warm_up_torch()
+        context = multiprocessing.get_context("fork")
+        _work_fn, _pool_runtime = fn, runtime
+        running = context.Array("q", 2 * self.workers)
+        pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                   initargs=(self.threads, os.getpid(), running))
+        pool.pfl_running = running  # for _casualty, in this process
+        return pool
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        split = split_view_call(fn)
+        if split is None:  # not the client side: a pool of its own, forked now
+            make_pool, call = (lambda: self._new_pool(fn=fn)), None
+        else:
+            constant, call = split
+            if self._run_pool is None or any(self._run_pool_constant[n] is not v for n, v in constant.items()):
+                self.close()
+                self._run_pool, self._run_pool_constant = self._new_pool(runtime=constant), constant
+
+            def make_pool():  # after a worker died: a fresh pool of the same run
+                self._run_pool.shutdown(wait=True, cancel_futures=True)
+                self._run_pool = self._new_pool(runtime=constant)
+                return self._run_pool
+
+        pool = self._run_pool if split is not None else make_pool()
+        # what "the same function" is across maps: the client-side function, else the code of
+        # the function given (never the function itself: a closure would keep the run alive)
+        kind = call[0] if call is not None else getattr(getattr(fn, "func", fn), "__code__", None)
+        per_item = self._item_seconds.get(kind)
+        chunk_size = (self.CHUNK if per_item is None else
+                      max(1, min(self.MAX_CHUNK, round(self.CHUNK_SECONDS / max(per_item, 1e-6)))))
+        spent, done = 0.0, 0
+        window = 2 * self.workers  # chunks in flight: enough to keep every worker busy
+        source = enumerate(items)
+        pending: collections.deque = collections.deque()  # (indices, items, future) per chunk
+        failures: collections.Counter = collections.Counter()
+
+        def submit(chunk: list) -> None:
+            indices, chunk_items = [i for i, _ in chunk], [it for _, it in chunk]
+            pending.append((indices, chunk_items, pool.submit(_call, indices, _pickled((call, chunk_items)))))
+
+        def fill():
+            while len(pending) < window:
+                chunk = list(itertools.islice(source, chunk_size))
+                if not chunk:
+                    return
+                submit(chunk)
+
+        try:
+            fill()
+            while pending:
+                indices, chunk_items, future = pending[0]
+                try:
+                    pickled, seconds = future.result()
+                    results = [pickle.loads(result) for result in pickled]
+                except BrokenProcessPool:
+                    dead, code = self._casualty(pool)
+                    unfinished = [(i, it) for idx, its, _ in pending for i, it in zip(idx, its)]
+                    culprit = next(((i, it) for i, it in unfinished if i == dead), unfinished[0])
+                    failures[culprit[0]] += 1
+                    if failures[culprit[0]] > self.retries:
+                        raise PflError(f"executor: a worker process {_death(code)} while running {culprit[1]}; "
+                                       f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
+                    if split is None:
+                        pool.shutdown(wait=True, cancel_futures=True)
+                    pool = make_pool()  # run the unfinished items again, in order
+                    pending.clear()
+                    for start in range(0, len(unfinished), chunk_size):
+                        submit(unfinished[start:start + chunk_size])
+                    continue
+                pending.popleft()
+                spent, done = spent + seconds, done + len(results)
+                if kind is not None:
+                    self._item_seconds[kind] = spent / done
+                fill()
+                yield from results
+        finally:
+            for _, _, future in pending:  # a map left early (an error in the consumer)
+                future.cancel()
+            if split is None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _casualty(pool, wait: float = 3.0) -> tuple[int | None, int | None]:
+        """(index of the item the dead worker ran, its exit code), from the pool's slot array.
+
+        A broken pool SIGTERMs its other workers, so the first to die is the one whose exit
+        code is not SIGTERM's; the exit codes are polled for a moment, as the pool's manager
+        thread may not have reaped the processes yet."""
+        processes = dict(getattr(pool, "_processes", None) or {})
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(p.exitcode is None for p in processes.values()):
+            time.sleep(0.02)
+        codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
+        first = {pid: c for pid, c in codes.items() if c != -signal.SIGTERM} or codes
+        running = pool.pfl_running
+        for slot in range(len(running) // 2):
+            if running[2 * slot] in first:
+                return int(running[2 * slot + 1]), first[running[2 * slot]]
+        return None, next(iter(first.values()), None)
+
+    def close(self) -> None:
+        """Stop the run's pool (the engine calls this at the end of a run)."""
+        if self._run_pool is not None:
+            self._run_pool.shutdown(wait=True, cancel_futures=True)
+        self._run_pool = self._run_pool_constant = None

@@ -1,0 +1,89 @@
+"""What a checkpoint must match to be resumed: the code that wrote it (pfl's version and a hash
+of the source of pfl_core and of the spec's plugins) and the resolved spec, less the keys a
+resume may change."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+
+def _package_files(module_file: Path) -> list[Path]:
+    """A plugin's source: its package's .py files when it is a package, else its one file."""
+    if module_file.name == "__init__.py":
+        return sorted(module_file.parent.rglob("*.py"))
+    return [module_file]
+
+
+def code_version(plugin_names: list[str]) -> dict[str, str]:
+    """pfl's version, the git commit of its checkout (if any; for information) and a SHA-256
+    over the source of ``pfl_core`` and of the plugins the spec names (what decides results)."""
+    import sys
+
+    from pfl_core import registry
+    from pfl_core._version import __version__
+
+    core = Path(__file__).resolve().parent
+    files = sorted(core.rglob("*.py"))
+    for name in sorted(set(plugin_names)):
+        try:
+            module = sys.modules[registry.plugin_class(name).__module__]
+        except Exception:  # an unknown name was refused when the spec was resolved
+            continue
+        if getattr(module, "__file__", None):
+            path = Path(module.__file__).resolve()
+            if core not in path.parents:
+                files += _package_files(path)
+    sha = hashlib.sha256()
+    for path in files:
+        if "__pycache__" in path.parts:
+            continue
+        sha.update(path.name.encode())
+        sha.update(path.read_bytes())
+    try:
+        done = subprocess.run(["git", "-C", str(core), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5)
+        commit = done.stdout.strip() if done.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"pfl": __version__, "source_sha256": sha.hexdigest(), "git_commit": commit}
+
+
+def plugin_names(spec) -> list[str]:
+    """Every plugin a spec names: algorithm, add-ons, dataset, partitioner, models."""
+    names = [spec.algorithm.name, *(a.name for a in spec.addons), spec.data.name, spec.partition.scheme,
+             spec.model.name, *(spec.model.clients or []), *(spec.model.pool or [])]
+    return names
+
+
+# -- values stateio cannot hold as they are -------------------------------------------------------
+
+
+def spec_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved spec dicts."""
+    out = []
+    for key in dict.fromkeys([*a, *b]):
+        path = f"{prefix}{key}"
+        if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+            out += spec_differences(a[key], b[key], f"{path}.")
+        elif key not in a or key not in b or a[key] != b[key]:
+            out.append(path)
+    return out
+
+
+# Keys a resume may change: where and how often checkpoints are written, the progress line.
+FREE_KEYS = ("checkpoint", "tracking.progress")
+
+
+def compared(as_dict: dict) -> dict:
+    import copy
+
+    out = copy.deepcopy(as_dict)
+    for key in FREE_KEYS:
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(leaf, None)
+    return out

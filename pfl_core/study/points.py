@@ -1,0 +1,189 @@
+"""Planning a study: the points of a spec (one, or one per sweep point) validated before any
+run, their run names, the reference runs they share, and what the study's parent run records."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import attrs
+
+from pfl_core import registry
+from pfl_core.engine import Resolved, RunResult, resolve
+from pfl_core.errors import SpecError
+from pfl_core.spec import POINTS, PluginRef, apply_overrides, expand_sweep, set_dotted, shown, structure
+from pfl_core.study.stats import Summary
+from pfl_core.tracking.tracker import flatten
+
+
+@attrs.define
+class Point:
+    """One sweep point: its settings, the validated spec, and the seeds it runs with."""
+
+    settings: dict[str, Any]
+    resolved: Resolved
+    raw: dict
+    base: dict | None = None  # the spec before its sweep settings (--set applied): references start here
+
+    @property
+    def seeds(self) -> list[int] | None:
+        """The repeat seeds (``experiment.seeds``), or None for one plain run."""
+        return self.resolved.spec.experiment.seeds
+
+    def for_seed(self, seed: int) -> Resolved:
+        raw = copy.deepcopy(self.raw)
+        experiment = raw.setdefault("experiment", {})
+        experiment["seed"] = seed
+        experiment.pop("seeds", None)
+        return resolve(raw)
+
+
+@attrs.define
+class PointResult:
+    """A point's runs: one per seed (or the single run), and the mean over them."""
+
+    name: str
+    seeds: list[int]
+    runs: list[RunResult]
+    summary: dict[str, Summary]
+    run_id: str | None = None
+    resolved_algorithm: str = ""
+    group: str = ""  # the non-algorithm sweep settings it shares with its references
+    seeded: bool = False  # experiment.seeds: one child run per seed
+
+    def values(self, metric: str) -> list[float]:
+        return [r.final.get(metric, math.nan) for r in self.runs]
+
+
+def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_sweep: bool = False,
+                   notes: list[str] | None = None) -> list[Point]:
+    """Every run the spec describes (one, or one per sweep point), validated before any runs."""
+    raw = apply_overrides(raw, overrides, sweeps, no_sweep, notes)
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    expanded = expand_sweep(raw)  # validates the [sweep] table's shape
+    if _sweeps_algorithm(raw.get("sweep", {})):
+        check_base_algorithm(base)
+    points = []
+    for settings, point in expanded:
+        try:
+            points.append(Point(settings, resolve(point), point, base))
+        except SpecError as exc:
+            if settings:  # say which sweep point broke
+                where = ", ".join(f"{k}={shown(v)}" for k, v in settings.items())
+                raise SpecError(exc.path, f"{exc.message} (sweep point {where})") from None
+            raise
+    return points
+
+
+def _sweeps_algorithm(sweep: dict) -> bool:
+    """Whether the sweep sets the algorithm (its name, its whole table or its params), so the
+    points alone never validate the spec's own [algorithm] table."""
+    keys = [k for k in sweep if k != POINTS] + [k for entry in sweep.get(POINTS, []) for k in entry]
+    return any(k == "algorithm" or k.startswith("algorithm.") for k in keys)
+
+
+def check_base_algorithm(base: dict) -> None:
+    """The spec's own [algorithm] table is what --no-sweep (and --set on the swept key) runs:
+    a sweep over the algorithm must not hide a typo or a bad name in it."""
+
+    table = base.get("algorithm")
+    if table is None:
+        return
+    note = " (in the spec's own [algorithm] table, which the sweep replaces)"
+    try:
+        if not isinstance(table, dict) or "name" in table:
+            ref = structure(table, PluginRef, "algorithm")
+            registry.instantiate(registry.ALGORITHM, ref.name, ref.params, "algorithm.name", "algorithm.params")
+        else:  # the sweep gives every point its name: check the table's keys and types only
+            structure({"name": "", **table}, PluginRef, "algorithm")
+    except SpecError as exc:
+        raise SpecError(exc.path, exc.message + note) from None
+
+
+def run_name_for(resolved: Resolved, settings: dict[str, Any]) -> str:
+    base = resolved.spec.tracking.run_name or resolved.spec.algorithm.name
+    flat = {}
+    for key, value in settings.items():  # a sweep.points entry names its own overrides
+        flat.update(value if key == POINTS else {key: value})
+    # A sweep over algorithm.name or over whole [algorithm] tables is named by the algorithm.
+    extras = [f"{k.split('.')[-1]}={v}" for k, v in flat.items() if k not in ("algorithm.name", "algorithm")]
+    return " ".join([base, *extras])
+
+
+def run_names(points: list[Point]) -> list[str]:
+    """Each point's run name; points that would share one (two [algorithm] tables of the same
+    method in a sweep) are told apart by the algorithm parameters whose values differ."""
+    names = [run_name_for(p.resolved, p.settings) for p in points]
+    for name in set(names):
+        same = [i for i, n in enumerate(names) if n == name]
+        if len(same) < 2:
+            continue
+        params = [flatten(points[i].resolved.as_dict.get("algorithm", {}).get("params", {})) for i in same]
+        differing = [k for k in dict.fromkeys(k for p in params for k in p) if len({p.get(k) for p in params}) > 1]
+        for i, p in zip(same, params):
+            names[i] = " ".join([name, *[f"{k.split('.')[-1]}={p.get(k)}" for k in differing]])
+    return names
+
+
+ALGORITHM_KEYS = ("algorithm", "algorithm.name")
+
+
+def _is_algorithm_key(key: str) -> bool:
+    """Settings that vary the method (not the data): reference runs are shared across them.
+    A ``sweep.points`` entry is a method with its own budget settings."""
+    return key in ALGORITHM_KEYS or key.startswith("algorithm.") or key == POINTS
+
+
+def reference_points(points: list[Point]) -> list[tuple[str, Point]]:
+    """``experiment.reference`` baselines: once per spec (once per group of sweep points that
+    share everything but the algorithm), on the identical data and seeds."""
+    experiment = points[0].resolved.spec.experiment
+    if not experiment.reference:
+        return []
+
+    for i, name in enumerate(experiment.reference):
+        registry.resolve(registry.ALGORITHM, name, f"experiment.reference[{i}]")
+    out, seen = [], set()
+    for point in points:
+        shared = {k: v for k, v in point.settings.items() if not _is_algorithm_key(k)}
+        group = repr(sorted(shared.items()))
+        if group in seen:
+            continue
+        seen.add(group)
+        for name in experiment.reference:
+            # the spec's own settings and this group's data settings, never a sweep point's
+            # method-specific overrides (a FedAlt entry's local_epochs is not Local's budget)
+            raw = copy.deepcopy(point.base if point.base is not None else point.raw)
+            for key, value in shared.items():
+                set_dotted(raw, key, value)
+            raw["algorithm"] = {"name": name}
+            try:
+                ref = Point(shared, resolve(raw), raw)
+            except SpecError as exc:
+                raise SpecError(exc.path, f"{exc.message} (in the reference run {name!r}, experiment.reference)") from None
+            label = " ".join([f"{name} (reference)", *[f"{k.split('.')[-1]}={v}" for k, v in shared.items()]])
+            out.append((label, ref))
+    return out
+
+
+def same_run(a: Point, b: Point) -> bool:
+    """Two points that would produce the same runs (so a reference is not run twice)."""
+    strip = lambda d: {k: v for k, v in d.items() if k != "tracking"}  # noqa: E731
+    return strip(a.resolved.as_dict) == strip(b.resolved.as_dict)
+
+
+def check_compare_to(points: list[Point], names: list[str]) -> None:
+    wanted = points[0].resolved.spec.experiment.compare_to
+    if wanted and wanted not in names:
+        raise SpecError("experiment.compare_to", f"names no run of this spec: {wanted!r}; runs: {', '.join(names)}")
+
+
+def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The study parent run's experiment, params (what every sweep point shares) and tags."""
+    spec = points[0].resolved.spec
+    flat = [flatten(p.resolved.as_dict) for p in points]
+    shared = {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
+    swept = list(dict.fromkeys(k for p in points for k in p.settings))
+    tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
+    return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}

@@ -1,0 +1,186 @@
+"""What a study prints: each run's line, a point's summary over seeds, the per-client table,
+the comparison table with paired differences, the dry run's report and where the results are."""
+
+from __future__ import annotations
+
+import torch
+
+from pfl_core.data.federated import build_federated_data
+from pfl_core.engine import RunResult
+from pfl_core.runtime.context import ModelBank
+from pfl_core.study.points import Point, PointResult
+from pfl_core.study.stats import Summary, paired_difference
+from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds
+
+
+def print_locations(point: Point, out_dir: str | None, out) -> None:
+    """Where the results are: the tracking URI, the experiment, the MLflow UI address of its
+    runs, and the --out directory."""
+
+    lines = []
+    try:
+        where = experiment_location(point.resolved.spec)
+    except Exception:  # a store that cannot be read back: the runs were logged; say nothing wrong
+        where = None
+    if where:
+        lines.append(where)
+    if out_dir is not None:
+        lines.append(f"results: {out_dir}/ (comparison.csv, differences.csv, runs/<run>/clients*.csv, spec.toml)")
+    if lines:
+        print("\n" + "\n".join(lines), file=out)
+
+
+def dry_run_report(points: list[Point], out) -> None:
+
+
+    for point in points:
+        if point.settings:
+            print(f"# sweep point: {point.settings}", file=out)
+        print(point.resolved.toml(), file=out)
+        spec = point.resolved.spec
+        if point.seeds:
+            print(f"# seeds: {', '.join(map(str, point.seeds))} ({len(point.seeds)} runs of this point, "
+                  f"each with its own partition and initialisation)", file=out)
+        data = build_federated_data(point.for_seed(point.seeds[0]).spec if point.seeds else spec)
+        ModelBank(spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+        sizes = [c.num_train for c in data.clients]
+        public = f", public set {len(data.public.indices)}" if data.public is not None else ""
+        print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
+              f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}\n", file=out)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:  # byte counts
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _pm(s: Summary, digits: int = 4) -> str:
+    if s.n < 2:
+        return f"{s.mean:.{digits}f}"
+    return f"{s.mean:.{digits}f} ± {s.ci95:.{digits}f}"
+
+
+def print_table(header: list[str], rows: list[list], out) -> None:
+    cells = [[str(h) for h in header]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
+
+
+def run_summary(result: RunResult) -> str:
+    """One run in one line: accuracy mean, std, p10, the worst client, bytes, wall time."""
+    final = result.final
+    parts = [f"{label} {final[k]:.4f}" for k, label in (("acc_mean", "acc_mean"), ("acc_std", "std"),
+                                                        ("acc_p10", "p10")) if k in final]
+    scored = [r for r in result.client_rows if isinstance(r.get("acc"), (int, float)) and not r.get("coldstart")]
+    if scored:
+        worst = min(scored, key=lambda r: r["acc"])
+        parts.append(f"worst client {worst.get('client', '?')} {worst['acc']:.4f}")
+    if "coldstart_acc_mean" in final:
+        parts.append(f"cold-start {final['coldstart_acc_mean']:.4f}")
+    parts.append(f"up {human_bytes(final.get('comm_up_bytes', 0.0))}, down {human_bytes(final.get('comm_down_bytes', 0.0))}")
+    if result.seconds:
+        parts.append(human_seconds(result.seconds))
+    return "  ".join(parts)
+
+
+def print_run_line(result: RunResult, name: str, out) -> None:
+    print(f"-- {name}: {run_summary(result)}", file=out)
+    for error in result.errors:
+        print(f"-- {name}: error: {error}", file=out)
+
+
+def print_point(result: PointResult, out, clients: bool = False) -> None:
+    """A run's compact summary (``clients``: its per-client table first); a point with seeds:
+    the mean ± 95% interval over them."""
+    if len(result.runs) == 1 and len(result.seeds) <= 1 and not result.seeded:
+        if clients:
+            print_client_table(result.runs[0], result.name, out)
+        print_run_line(result.runs[0], result.name, out)
+        if result.run_id and not clients:
+            print(f"-- MLflow run {result.run_id}", file=out)
+        return
+    if clients:
+        for seed, run in zip(result.seeds, result.runs):
+            print_client_table(run, f"{result.name} seed={seed}", out)
+    print(f"\n== {result.name}: {len(result.runs)} seeds (mean ± 95% interval) ==", file=out)
+    for key in ("acc_mean", "acc_std", "acc_p10", "server_acc_mean", "coldstart_acc_mean",
+                "budget.private_epochs", "budget.public_epochs"):
+        if key in result.summary:
+            print(f"-- {key} {_pm(result.summary[key])}", file=out)
+    if "comm_up_bytes" in result.summary:
+        seconds = sum(r.seconds for r in result.runs)
+        print(f"-- up {human_bytes(result.summary['comm_up_bytes'].mean)} per run, "
+              f"{human_seconds(seconds)} in all", file=out)
+    if result.run_id:
+        print(f"-- MLflow parent run {result.run_id} (one child run per seed)", file=out)
+
+
+def print_client_table(result: RunResult, name: str, out) -> None:
+    rows = result.client_rows
+    if not rows:
+        return
+    print(f"\n== {name}: per-client results (test split) ==", file=out)
+    header = list(rows[0])
+    print_table(header, [[r[k] for k in header] for r in rows], out)
+    final = result.final
+    coldstart = "  ".join(f"{k} {_fmt(final[k])}" for k in ("coldstart_acc_mean", "coldstart_acc_std") if k in final)
+    if coldstart:
+        print(f"-- cold-start clients: {coldstart}", file=out)
+    if result.run_id:
+        print(f"-- MLflow run {result.run_id}", file=out)
+
+
+COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
+
+
+def print_comparison(results: list[PointResult], reference: str, out) -> None:
+    """Every run as mean ± ci95, its collaboration gain over the reference runs (when
+    ``experiment.reference`` is set), and its paired difference from ``reference`` over the
+    same seeds; differences whose 95% interval excludes 0 are marked *."""
+    ref = next((r for r in results if r.name == reference), results[0])
+    n = len(ref.runs)
+    title = "same seed, same partition" if n == 1 else f"{n} seeds, mean ± 95% interval"
+    print(f"\n== comparison ({title}) ==", file=out)
+    keys = [k for k in COMPARED if any(k in r.summary for r in results)]
+    gain_keys = [k for k in ("gain_vs_best_reference", "gain_vs_local") if any(k in r.summary for r in results)]
+    diff_keys = keys if n > 1 else []
+    header = ["run", *keys, "comm_up_bytes", *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
+    rows = []
+    for r in results:
+        rows.append([
+            r.name,
+            *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
+            human_bytes(r.summary["comm_up_bytes"].mean) if "comm_up_bytes" in r.summary else "-",
+            *[_interval(r.summary[k]) if k in r.summary else "-" for k in gain_keys],
+            *[_diff_cell(r, ref, k) for k in diff_keys],
+        ])
+    print_table(header, rows, out)
+    if n > 1:
+        print("(Δ: paired difference over the same seeds with its 95% interval; * = the interval excludes 0)",
+              file=out)
+    if gain_keys:
+        print("(gain_vs_best_reference: acc_mean - max(reference runs) per seed, paired; gain_vs_local likewise)",
+              file=out)
+    if len({tuple(r.seeds) for r in results}) > 1:
+        print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
+
+
+def _interval(d: Summary) -> str:
+    if d.n < 2:
+        return f"{d.mean:+.4f}"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"
+
+
+def _diff_cell(result: PointResult, ref: PointResult, key: str) -> str:
+    if result is ref:
+        return "-"
+    common = [s for s in result.seeds if s in ref.seeds]
+    if len(common) < 2 or key not in result.summary or key not in ref.summary:
+        return "-"
+    mine = dict(zip(result.seeds, result.values(key)))
+    theirs = dict(zip(ref.seeds, ref.values(key)))
+    return _interval(paired_difference([mine[s] for s in common], [theirs[s] for s in common]))

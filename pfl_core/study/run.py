@@ -1,0 +1,125 @@
+"""``pfl-run SPEC``: plan the study's points, run them (references first), print and log the
+comparison, and write ``--out``; every step below is its own module of this package."""
+
+from __future__ import annotations
+
+import sys
+
+import attrs
+
+from pfl_core.errors import Interrupted, PflError
+from pfl_core.spec import apply_overrides, load_toml
+from pfl_core.study.points import (
+    PointResult,
+    check_compare_to,
+    reference_points,
+    resolve_points,
+    run_names,
+    same_run,
+    study_params,
+)
+from pfl_core.study.report import dry_run_report, print_comparison, print_locations, print_point
+from pfl_core.study.results import ResultsDir, check_target, dumps_spec
+from pfl_core.study.seeds import RunCounter, log_gains, run_point
+from pfl_core.tracking.store_check import check_store
+from pfl_core.tracking.study import begin_study, studied
+
+
+@studied  # one MLflow study per call (pfl_core/tracking.py)
+def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
+                  no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
+                  no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
+                  clients: bool = False) -> list[PointResult]:
+    """Run every point of the spec. ``out_dir``: also write the results there
+    (:mod:`pfl_core.results`), after the spec validated; a failure part-way still writes what
+    finished (and an ``INCOMPLETE`` file) before it propagates."""
+
+    out = out or sys.stdout
+    if no_tracking:
+        overrides = [*overrides, "tracking.enabled=false"]
+    notes: list[str] = []
+    raw = apply_overrides(load_toml(path), overrides, sweeps, no_sweep, notes)
+    points = resolve_points(raw, [], notes=notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    names = run_names(points)
+    check_compare_to(points, names)
+    references = reference_points(points)
+    if dry_run:
+        if out_dir is not None:
+            check_target(out_dir, overwrite)  # said now, though a dry run writes nothing
+        dry_run_report(points, out)
+        for label, _ in references:
+            print(f"# reference run: {label} (same data and seeds)", file=out)
+        return []
+    stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
+    for section in stores.values():  # a store that cannot be used is said now, before any training
+        check_store(section, tracking_uri)
+    # Which reference run each point is (None: its own runs), decided once.
+    reuses = [next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None) for point in points]
+    own_points = [p for p, reused in zip(points, reuses) if reused is None]
+    # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
+    top_level = len(references) + len(own_points)
+    begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
+                tracking_uri, *study_params(points), parent=top_level > 1)
+    compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
+    results_dir = None
+    if out_dir is not None:  # the spec validated: now the directory may be created
+        check_target(out_dir, overwrite)
+        results_dir = ResultsDir(out_dir, overwrite)
+        try:
+            results_dir.start(dumps_spec(raw))
+            for label, ref in references:
+                results_dir.write_point(label, ref.resolved.toml())
+            for point, name in zip(points, names):
+                results_dir.write_point(name, point.resolved.toml())
+        except OSError as exc:
+            raise PflError(f"--out {out_dir}: cannot write: {exc.strerror or exc}") from None
+
+    counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points]))
+    ref_results: list[PointResult] = []
+    results: list[PointResult] = []
+    partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
+    reused_refs: set[int] = set()
+    shown: list[PointResult] = []
+
+    def finished() -> list[PointResult]:  # the sweep points' results, then the references not among them
+        return [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
+
+    try:
+        for label, ref in references:
+            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter))
+            print_point(ref_results[-1], out, clients)
+        for point, name, reused in zip(points, names, reuses):
+            if reused is not None:  # this sweep point is one of the reference runs: not run twice
+                reused_refs.add(reused)
+                results.append(attrs.evolve(ref_results[reused], name=name))
+            else:
+                results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
+                print_point(results[-1], out, clients)
+        shown = finished()
+        if ref_results:
+            log_gains(points[0], shown, ref_results, tracking_uri)
+        if len(shown) > 1:
+            print_comparison(shown, compare_to, out)
+    except BaseException as exc:
+        if results_dir is not None:
+            done = shown or [*finished(), *partial]
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if str(exc) else type(exc).__name__
+            try:
+                results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
+                                            f"{len(done)} run(s) that finished")
+                results_dir.write_results(done, compare_to)
+                if isinstance(exc, Interrupted):  # said in the command line's one line
+                    exc.out_dir = out_dir
+                else:
+                    print(f"partial results (the {len(done)} run(s) that finished) written to {out_dir}",
+                          file=sys.stderr)
+            except Exception as write_error:  # never hide the failure that stopped the runs
+                print(f"could not write the partial results to {out_dir}: {write_error}", file=sys.stderr)
+        raise
+    if results_dir is not None:
+        results_dir.write_results(shown, compare_to)
+    if not quiet:  # --quiet: the summaries and the comparison only
+        print_locations(points[0], out_dir, out)
+    return shown

@@ -1,0 +1,125 @@
+"""Running one point: a single run, or one child run per seed under a parent run holding the
+summary over seeds; and the collaboration gains against the reference runs."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from pfl_core.engine import Engine, RunResult
+from pfl_core.study.points import Point, PointResult, _is_algorithm_key
+from pfl_core.study.report import print_run_line
+from pfl_core.study.stats import Summary, paired_difference, summarize
+from pfl_core.tracking.tables import table_csv
+from pfl_core.tracking.tracker import flatten, log_accuracy_distribution, make_tracker, run_status
+
+
+@attrs.define
+class RunCounter:
+    """``run k/n`` in the progress bar's label during a sweep (or over seeds)."""
+
+    total: int
+    done: int = 0
+
+    def label(self, name: str) -> str:
+        self.done += 1
+        return f"run {self.done}/{self.total} {name}" if self.total > 1 else name
+
+
+def gains(result: PointResult, references: list[PointResult]) -> dict[str, Summary]:
+    """gain_vs_local and gain_vs_best_reference of ``result``'s acc_mean, paired over seeds."""
+    if not references:
+        return {}
+    common = [s for s in result.seeds if all(s in r.seeds for r in references)]
+    if not common:
+        return {}
+    mine = dict(zip(result.seeds, result.values("acc_mean")))
+    refs = {r.name: dict(zip(r.seeds, r.values("acc_mean"))) for r in references}
+    out = {}
+    best = [max(ref[s] for ref in refs.values()) for s in common]
+    out["gain_vs_best_reference"] = paired_difference([mine[s] for s in common], best)
+    local = next((refs[r.name] for r in references if r.resolved_algorithm == "local"), None)
+    if local is not None:
+        out["gain_vs_local"] = paired_difference([mine[s] for s in common], [local[s] for s in common])
+    return out
+
+
+def log_gains(point: Point, results: list[PointResult], references: list[PointResult], tracking_uri) -> None:
+    """Each run's collaboration gain over the reference runs of its group, logged to its
+    (parent) run as ``gain_vs_local``, ``gain_vs_best_reference`` and their ``_ci95``."""
+    tracker = make_tracker(point.resolved.spec.tracking, tracking_uri)
+    for result in results:
+        mine = [r for r in references if r.group == result.group]
+        result.summary.update(gains(result, mine))
+        metrics = {}
+        for key in ("gain_vs_local", "gain_vs_best_reference"):
+            if key in result.summary:
+                s = result.summary[key]
+                metrics[key] = s.mean
+                if not math.isnan(s.ci95):
+                    metrics[f"{key}_ci95"] = s.ci95
+        tracker.log_metrics_to(result.run_id, metrics)
+
+
+def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out,
+              partial: list | None = None, counter: RunCounter | None = None) -> PointResult:
+    """Run one sweep point: a single run, or one child run per seed under a parent run that
+    holds the mean, std and 95% interval of every final metric."""
+    spec = point.resolved.spec
+    group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
+    if not point.seeds:
+        tracker = make_tracker(spec.tracking, tracking_uri)
+        run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name,
+                     progress_label=counter.label(name) if counter else None).run()
+        return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
+                           run.run_id, spec.algorithm.name, group)
+
+    parent = make_tracker(spec.tracking, tracking_uri)
+    parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
+                 {"algorithm": spec.algorithm.name, "pfl.seeds": ",".join(map(str, point.seeds)),
+                  **spec.tracking.tags})
+    status = "FAILED"
+    runs: list[RunResult] = []
+    try:
+        for seed in point.seeds:
+            child = make_tracker(spec.tracking, tracking_uri)
+            label = f"{name} seed={seed}"
+            runs.append(Engine(point.for_seed(seed), tracker=child, progress=not quiet, run_name=label,
+                               progress_label=counter.label(label) if counter else None).run())
+            print_run_line(runs[-1], f"{name} seed={seed}", out)
+        status = "FINISHED"
+    except BaseException as exc:
+        status = run_status(exc)  # KILLED on Ctrl-C / SIGTERM
+        raise
+    finally:
+        # What the finished seeds measured is logged even when a later seed fails.
+        result = PointResult(name, list(point.seeds[: len(runs)]), runs, summarize_runs(runs), parent.run_id,
+                             spec.algorithm.name, group, seeded=True)
+        log_seed_summary(parent, result)
+        parent.end(status)
+        if status != "FINISHED" and runs and partial is not None:
+            partial.append(result)
+    return result
+
+
+def summarize_runs(runs: list[RunResult]) -> dict[str, Summary]:
+    keys = sorted({k for r in runs for k in r.final})
+    return {k: summarize([r.final.get(k, math.nan) for r in runs]) for k in keys}
+
+
+def log_seed_summary(tracker, result: PointResult) -> None:
+    """The parent run's metrics (``m``, ``m_std``, ``m_ci95``), the per-seed table and the
+    clients' final accuracy by seed."""
+    metrics = {}
+    for key, s in result.summary.items():
+        metrics.update({key: s.mean, f"{key}_std": s.std, f"{key}_ci95": s.ci95})
+    finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
+    if finite:
+        tracker.log_metrics(finite, step=0)
+    keys = sorted(result.summary)
+    rows = [[seed, *[run.final.get(k, math.nan) for k in keys]] for seed, run in zip(result.seeds, result.runs)]
+    if rows:
+        tracker.log_text(table_csv(["seed", *keys], rows), "results/seeds.csv")
+    log_accuracy_distribution(tracker, [(f"seed={seed}", run.client_rows) for seed, run in zip(result.seeds, result.runs)],
+                              f"{result.name}: final accuracy per client, by seed")
