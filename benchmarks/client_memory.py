@@ -2,7 +2,7 @@
 """Peak memory of a run with 10,000 clients against the same run with 100 (a script, not a test).
 
 Issue 11: per-client state lives in a store with a bounded in-memory cache and spill to disk
-(pfl_core/store.py), so a run's peak memory must not grow with the number of clients. For
+(pfl_core/state/store.py), so a run's peak memory must not grow with the number of clients. For
 each method (Local and FedRep: every client keeps a personal model, or a personal head) and
 each number of clients it runs one complete experiment in a fresh subprocess with one torch
 thread, and reads that subprocess's peak resident set size from the kernel

@@ -1,3 +1,3 @@
 """pfl's version (a leaf module: anything may import it)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

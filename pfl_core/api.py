@@ -10,6 +10,8 @@ plugin's class (``from pfl_plugins.fedavg import FedAvg``). Names here are kept 
 moves keeps a deprecated alias for a release (CHANGELOG.md).
 """
 
+from pfl_core.data import DatasetPlugin, PartitionerPlugin, RawDataset
+from pfl_core.engine import Engine, Resolved, RunResult, resolve
 from pfl_core.errors import DataError, NonFiniteError, PflError, SpecError
 from pfl_core.methods.averaging import WeightAveraging, model_key, require_single_architecture
 from pfl_core.methods.codistill import (
@@ -46,9 +48,11 @@ from pfl_core.methods.partial import (
 from pfl_core.methods.per_run import per_run
 from pfl_core.methods.personal import load_personal
 from pfl_core.methods.proximal import AnchoredAveraging, proximal_term
+from pfl_core.models import ModelPlugin
 from pfl_core.models.layers import layer_keys, parameterised_layers, split_at
 from pfl_core.payload import Packed, bits_for_classes, nbytes
 from pfl_core.registry import ADDON, ALGORITHM, DATASET, MODEL, PARTITIONER, NoParams, Plugin, instantiate
+from pfl_core.registry import refresh as refresh_plugins
 from pfl_core.registry import resolve as resolve_plugin
 from pfl_core.registry.budget import LocalWork
 from pfl_core.registry.hookspecs import hookimpl
@@ -70,7 +74,7 @@ from pfl_core.tracking import plots
 __all__ = [
     # the plugin system
     "ADDON", "ALGORITHM", "DATASET", "MODEL", "PARTITIONER", "NoParams", "Plugin", "hookimpl", "instantiate",
-    "resolve_plugin", "LocalWork",
+    "resolve_plugin", "refresh_plugins", "LocalWork",
     # errors and parameter validators
     "DataError", "FieldError", "NonFiniteError", "PflError", "SpecError", "at_least", "at_most", "between",
     "choices_text", "described", "finite", "greater_than", "one_of",
@@ -84,6 +88,10 @@ __all__ = [
     "derive_seed", "numpy_rng", "torch_generator",
     # figures
     "plots",
+    # data set, partitioner and model plugins
+    "DatasetPlugin", "ModelPlugin", "PartitionerPlugin", "RawDataset",
+    # running a spec in a plugin's tests
+    "Engine", "Resolved", "RunResult", "resolve",
     # shared method machinery
     "AnchoredAveraging", "CodistillParams", "DTYPES", "PartialModel", "PublicPredictionMethod", "SplitParams",
     "WeightAveraging", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",

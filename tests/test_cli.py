@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tiny import tiny_raw
 
+import pfl_core
 from pfl_core.cli import main, run_main
 from pfl_core.spec import dump_toml
 
@@ -120,7 +121,7 @@ def test_pfl_plugins_lists_builtins_with_versions_and_hooks(capsys):
                  "dirichlet", "group_dirichlet", "lenet5", "vgg16"):
         assert name in rows, name
     assert "local_objective" in rows["fedprox"] and "server_aggregate" in rows["fedprox"]
-    assert " pfl " in rows["fedavg"] and "0.1.0" in rows["fedavg"]
+    assert " pfl " in rows["fedavg"] and pfl_core.__version__ in rows["fedavg"]
     assert "dataset" in rows["npz"] and "model" in rows["lenet5"]
 
 

@@ -1,4 +1,4 @@
-"""pfl_core/stateio.py: nested state round-trips exactly, and damaged files are detected."""
+"""pfl_core/state/stateio.py: nested state round-trips exactly, and damaged files are detected."""
 
 import math
 

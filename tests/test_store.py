@@ -1,4 +1,4 @@
-"""The client store: bounded cache, spill to disk, checkpoints (pfl_core/store.py)."""
+"""The client store: bounded cache, spill to disk, checkpoints (pfl_core/state/store.py)."""
 
 import gc
 import math

@@ -71,7 +71,7 @@ def resolve(raw: dict) -> Resolved:
     as_dict["partition"]["params"] = registry.resolved_params(partitioner)
     as_dict["model"]["params"] = registry.resolved_params(models.plugin(spec.model.name))
     as_dict.pop("sweep", None)
-    # Computed, never read back: what every participating client trains (pfl_core/budget.py).
+    # Computed, never read back: what every participating client trains (pfl_core/registry/budget.py).
     as_dict["budget"] = algorithm.local_work(spec).table(spec.experiment.rounds)
     check_something_trains(spec, as_dict["budget"])
     return Resolved(spec, plugins, as_dict)

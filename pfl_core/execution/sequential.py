@@ -44,7 +44,7 @@ class SequentialExecutor:
 
 class BatchedExecutor(SequentialExecutor):
     """In this process, like ``sequential``, but a round's participants of one architecture
-    train together: stacked parameters, one ``torch.func.vmap`` per step (pfl_core/batched.py,
+    train together: stacked parameters, one ``torch.func.vmap`` per step (pfl_core/execution/batched.py,
     which says which methods qualify). Any other work runs one item after another."""
 
     name = "batched"

@@ -230,7 +230,7 @@ def plugin_markdown(plugin: PluginDoc, prefix: str) -> str:
 def generate(distribution: str = DISTRIBUTION) -> str:
     """The generated region's Markdown (without the marker lines)."""
     plugins = builtin_plugins(distribution)
-    parts = [f"<!-- regenerate: {COMMAND} (pfl_core/docgen.py) -->", ""]
+    parts = [f"<!-- regenerate: {COMMAND} (pfl_core/registry/docgen.py) -->", ""]
     for kind, heading, prefix in SECTIONS:
         members = [p for p in plugins if p.kind == kind]
         if not members:

@@ -17,8 +17,8 @@ A round, as the engine runs it (see docs/architecture.md)::
         message = evaluation_message(ctx, client_id=i)     # server side, not counted
         personalized_models(ctx, client, message)          # client side
 
-``ctx`` is the :class:`pfl_core.context.RunContext`; ``client`` a
-:class:`pfl_core.context.Client`. Server state lives in ``ctx.server`` and per-client state
+``ctx`` is the :class:`pfl_core.runtime.context.RunContext`; ``client`` a
+:class:`pfl_core.runtime.context.Client`. Server state lives in ``ctx.server`` and per-client state
 in ``client.state`` (engine-owned stores): plugins keep no state of their own between rounds,
 so a round can run elsewhere and a run can be checkpointed.
 

@@ -37,7 +37,7 @@ class NoParams:
 class Plugin:
     """Base of every plugin: a name, a kind and an attrs parameter class.
 
-    Algorithms and add-ons implement hooks from :mod:`pfl_core.hookspecs` as methods marked
+    Algorithms and add-ons implement hooks from :mod:`pfl_core.registry.hookspecs` as methods marked
     ``@hookimpl``. Datasets, models and partitioners implement ``load``, ``build`` and
     ``split`` respectively (see their base classes).
     """
@@ -58,7 +58,7 @@ class Plugin:
 
     def local_work(self, spec):
         """The local training one participating client does (algorithms; see
-        :mod:`pfl_core.budget`). Default: ``training.local_epochs`` private epochs per round.
+        :mod:`pfl_core.registry.budget`). Default: ``training.local_epochs`` private epochs per round.
         Override when a method trains more (warm-up, pre-training, extra phases, public data)."""
         from pfl_core.registry.budget import LocalWork
 

@@ -164,7 +164,7 @@ class ExecutorSection:
     # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
     # sequential (pfl_core/execution/planner.py: plan). Every executor gives bit-identical results,
     # except "batched" (one architecture's clients trained together with torch.func.vmap,
-    # pfl_core/batched.py), equal to them up to float rounding where it trains clients together.
+    # pfl_core/execution/batched.py), equal to them up to float rounding where it trains clients together.
     name: str = field(default="auto", validator=one_of("auto", "sequential", "process", "ray", "batched"))
     device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
     # torch intra-op threads per process; 0 = 1 (more threads per process oversubscribe the
@@ -196,7 +196,7 @@ class CheckpointSection:
 @define
 class StateSection:
     # Client states kept in memory (the least recently used others are spilled to disk as
-    # safetensors files, pfl_core/store.py); 0: automatic, at most 256 states and 256 MiB of
+    # safetensors files, pfl_core/state/store.py); 0: automatic, at most 256 states and 256 MiB of
     # their tensors. Results do not depend on it.
     cache_clients: int = field(default=0, validator=at_least(0))
     # Folder in which the run's spill folder is made (and removed at the end of the run);
@@ -219,7 +219,7 @@ class Spec:
     executor: ExecutorSection = field(factory=ExecutorSection)
     # dotted key -> list of values; the cartesian product runs as separate runs.
     sweep: dict[str, list[Any]] = field(factory=dict)
-    # Computed by resolve() (declared local work, pfl_core/budget.py); a value given here is
+    # Computed by resolve() (declared local work, pfl_core/registry/budget.py); a value given here is
     # replaced, so a resolved spec can be run again as it is.
     budget: dict[str, Any] = field(factory=dict)
     checkpoint: CheckpointSection = field(factory=CheckpointSection)

@@ -23,7 +23,7 @@ class FieldError(ValueError):
 def described(text: str):
     """Mark a validator with the constraint it enforces, in words (``"each >= 1"``): the
     ``constraint`` column of the generated parameter reference (``pfl docs``,
-    :mod:`pfl_core.docgen`). Only sets the attribute ``describe``; the check is unchanged."""
+    :mod:`pfl_core.registry.docgen`). Only sets the attribute ``describe``; the check is unchanged."""
 
     def mark(validator):
         validator.describe = text

@@ -4,7 +4,7 @@ A checkpoint is a folder ``<run folder>/round-000012/`` holding ``run.safetensor
 ``ctx.server``, the counters, the history rows, the client series, the global RNG states, the
 tracker's run id, the resolved spec and the code version) and the client states (the store's
 own ``save(directory)`` under ``clients/``, or ``clients.safetensors``). Everything goes through
-:mod:`pfl_core.stateio`: safetensors plus a JSON skeleton, never pickle. The folder is written
+:mod:`pfl_core.state.stateio`: safetensors plus a JSON skeleton, never pickle. The folder is written
 under a temporary name and renamed, so a kill mid-write leaves the previous checkpoints as
 they were; ``run.safetensors`` also holds the SHA-256 of every other file of its checkpoint,
 so a truncated or altered checkpoint is found on load and the previous one is used.

@@ -4,7 +4,7 @@ Plugins keep personal models, supervisors, lambda histories, cluster ids in ``cl
 (``store[client_id]``): one plain dict per client of tensors and plain values, never in
 attributes of their own. The store keeps at most ``cache_clients`` of these dicts in memory
 (least recently used first out) and writes the others to a spill folder as
-:mod:`pfl_core.stateio` files (safetensors, never pickle), so a run's memory does not grow
+:mod:`pfl_core.state.stateio` files (safetensors, never pickle), so a run's memory does not grow
 with the number of clients.
 
 The invariant that makes eviction safe: **a state dict that is referenced outside the store

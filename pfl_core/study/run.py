@@ -25,13 +25,13 @@ from pfl_core.tracking.store_check import check_store
 from pfl_core.tracking.study import begin_study, studied
 
 
-@studied  # one MLflow study per call (pfl_core/tracking.py)
+@studied  # one MLflow study per call (pfl_core/tracking/study.py)
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
                   no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
                   clients: bool = False) -> list[PointResult]:
     """Run every point of the spec. ``out_dir``: also write the results there
-    (:mod:`pfl_core.results`), after the spec validated; a failure part-way still writes what
+    (:mod:`pfl_core.study.results`), after the spec validated; a failure part-way still writes what
     finished (and an ``INCOMPLETE`` file) before it propagates."""
 
     out = out or sys.stdout

@@ -137,7 +137,7 @@ class MlflowTracker(NullTracker):
             mlflow.set_tracking_uri(uri)
         self.study = study
         self.run_id = None
-        # Calls the store misses (it went away mid-run) go to a journal (pfl_core/journal.py),
+        # Calls the store misses (it went away mid-run) go to a journal (pfl_core/tracking/journal.py),
         # replayed at most every retry_seconds, at the end, on --resume or by `pfl replay`.
         self.journal = None
         self.journal_home: Path | None = None  # <checkpoint folder>/journal, once known

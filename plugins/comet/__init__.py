@@ -9,7 +9,7 @@ k-means++ then Lloyd iterations) on the flattened predictions -> targets = clust
 (the plain mean of the members' predictions, as COSMOS's f_bar_k).
 
 Pre-training, fine-tuning, distillation, bytes and the budget are those of
-``plugins.codistill`` (E0 = ``pretrain_epochs`` in the client's first round). k-means runs on
+``pfl_core.methods.codistill`` (E0 = ``pretrain_epochs`` in the client's first round). k-means runs on
 the CPU (numpy, seeded with the round's ``ctx.rng("kmeans")``); the predictions are copied
 there with ``.cpu()``, the cluster means stay on the run's device.
 """

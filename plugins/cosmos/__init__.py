@@ -33,7 +33,7 @@ round-1 uploads, and a client missing then would never have a server model.
 
 Devices: augmentations (crop offset, flip mask, noise) are drawn on a seeded CPU generator
 and moved to the data's device, so CPU runs are bit-identical to before and CUDA runs draw
-the same augmentations (see ``plugins.codistill``).
+the same augmentations (see ``pfl_core.methods.codistill``).
 """
 
 from __future__ import annotations

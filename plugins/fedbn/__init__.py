@@ -33,7 +33,7 @@ Decisions:
   layers and fine-tunes everything for ``experiment.coldstart_epochs`` (the core default).
 
 The shared/personal bookkeeping (broadcast, receive, keep, upload, average) is
-``plugins/partial``'s, with BatchNorm keys as the personal part instead of a layer split.
+``pfl_core/methods/partial.py``'s, with BatchNorm keys as the personal part instead of a layer split.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Decisions where the paper is silent (also in docs/reproductions.md):
 - Budget (``local_work``): round 1 does ``transfer_epochs`` on U and ``private_epochs`` on
   D_i; every later round ``digest_epochs`` on A_t (|A_t| / |U| of a pass over U each) and
   ``revisit_epochs`` on D_i. Declared as the later rounds' work per round plus a first-round
-  correction (may be negative), as plugins/codistill does. With ``alignment_size`` and
+  correction (may be negative), as pfl_core/methods/codistill.py does. With ``alignment_size`` and
   ``public.fraction`` (|U| unknown before the data) the public part is nan.
 """
 

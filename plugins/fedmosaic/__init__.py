@@ -249,7 +249,7 @@ def mean_loss(model, x, y, batch_size: int) -> float:
 
 def private_batches(n: int, batch_size: int, generator, shuffle: bool, drop_last: bool):
     """Index batches over the private set, epoch after epoch, in the order
-    ``pfl_core.training.run_epochs`` uses (one ``batch_order`` per epoch, ``batch_starts``), so
+    ``pfl_core.runtime.training.run_epochs`` uses (one ``batch_order`` per epoch, ``batch_starts``), so
     private-only steps are exactly ``client.train``'s. Endless; empty when there is no batch."""
     starts = batch_starts(n, batch_size, drop_last)
     while len(starts):
@@ -335,7 +335,7 @@ class FedMosaic(Plugin):
         """Per round: ``training.local_epochs`` private epochs and ``public_passes`` times as
         many passes over U; the first round adds ``warmup_epochs`` private epochs and has no
         consensus to train on (hence the negative public correction, as in
-        plugins/codistill). With ``comm_period`` (steps) the epochs depend on the partition:
+        pfl_core/methods/codistill.py). With ``comm_period`` (steps) the epochs depend on the partition:
         nan (the engine still measures them)."""
         p = self.params
         private = float(spec.training.local_epochs) if p.comm_period is None else math.nan

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import between, finite, greater_than, hookimpl
-from pfl_plugins.fedavg import FedAvg
+from pfl_core.api import WeightAveraging, between, finite, greater_than, hookimpl
 
 __version__ = "0.1.0"
 
@@ -28,7 +27,7 @@ class FedAvgMParams:
     server_lr: float = field(default=1.0, validator=[finite, greater_than(0)])  # server step size
 
 
-class FedAvgM(FedAvg):
+class FedAvgM(WeightAveraging):
     name = "fedavgm"
     Params = FedAvgMParams
 
