@@ -6,6 +6,7 @@ command line turns it into one line on stderr and exit code 2, never a traceback
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from typing import Iterable
 
@@ -45,6 +46,34 @@ class Interrupted(KeyboardInterrupt):
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
         self.out_dir: str | None = None
+
+
+# A store call cut in half leaves its SQLite write transaction holding the database's lock, and
+# the run's own end (status KILLED) then failed with "database is locked". So a signal that
+# arrives during one is held (``defer_interrupt``, asked by the command line's handler) and
+# raised as Interrupted when the call is done.
+_deferral = {"depth": 0, "pending": None}
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Inside: an interrupting signal is held until the block ends, then raised as Interrupted."""
+    _deferral["depth"] += 1
+    try:
+        yield
+    finally:
+        _deferral["depth"] -= 1
+        if _deferral["depth"] == 0 and _deferral["pending"] is not None:
+            signum, _deferral["pending"] = _deferral["pending"], None
+            raise Interrupted(signum)
+
+
+def defer_interrupt(signum: int) -> bool:
+    """True (and the signal held) inside ``deferred_interrupts``; False: raise it now."""
+    if _deferral["depth"] == 0:
+        return False
+    _deferral["pending"] = signum
+    return True
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

@@ -172,3 +172,60 @@ def test_sigterm_between_rounds_checkpoints_and_prints_the_resume_command(tmp_pa
 def statuses_by_id(db: Path) -> dict[str, str]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         return dict(con.execute("select run_uuid, status from runs").fetchall())
+
+
+def test_a_signal_during_a_store_call_is_raised_once_the_call_is_done():
+    """The command line's handler holds a signal that lands inside ``deferred_interrupts`` (a
+    tracking store call) and raises it as Interrupted when the block ends; outside, at once."""
+    from pfl_core.cli import cli
+    from pfl_core.errors import Interrupted, deferred_interrupts
+
+    previous = cli._catch_signals()
+    try:
+        steps = []
+        with pytest.raises(Interrupted) as caught:
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, between bytecodes
+                steps.append("the call went on")
+        assert steps == ["the call went on"] and caught.value.signum == signal.SIGTERM
+        cli._catch_signals()  # the handler ignores a second signal until it is set again
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("not reached")
+        assert steps == ["the call went on"]
+    finally:
+        cli._restore_signals(previous)
+
+
+def test_a_metric_write_interrupted_by_sigterm_completes_and_the_run_ends_killed(tmp_path, monkeypatch):
+    """SIGTERM in the middle of a metric write: the write completes, then Interrupted; the run
+    then ends KILLED in the store itself (a write cut mid-transaction kept SQLite's lock and the
+    end failed with "database is locked", into the journal)."""
+    from pfl_core.cli import cli
+    from pfl_core.errors import Interrupted
+    from pfl_core.spec import TrackingSection
+    from pfl_core.tracking import journal
+    from pfl_core.tracking.tracker import make_tracker
+
+    db = tmp_path / "store.db"
+    tracker = make_tracker(TrackingSection(enabled=True, uri=f"sqlite:///{db}"))
+    tracker.start("interrupted", "run", {}, {})
+    real_send = journal.send
+
+    def send_with_a_signal(client, record, *args, **kwargs):
+        if record["op"] == "metrics":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_send(client, record, *args, **kwargs)
+
+    monkeypatch.setattr(journal, "send", send_with_a_signal)
+    previous = cli._catch_signals()
+    try:
+        with pytest.raises(Interrupted):
+            tracker.log_metrics({"acc_mean": 0.5}, step=1)
+        tracker.end("KILLED")
+    finally:
+        cli._restore_signals(previous)
+    assert tracker.journal is None  # nothing had to be kept for later
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        assert con.execute("select status from runs").fetchall() == [("KILLED",)]
+        assert con.execute("select key, value, step from metrics").fetchall() == [("acc_mean", 0.5, 1)]

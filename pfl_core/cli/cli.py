@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Sequence
 
-from pfl_core.errors import Interrupted, PflError
+from pfl_core.errors import Interrupted, PflError, defer_interrupt
 
 EXIT_USAGE = 2
 EXIT_TRACKING_PENDING = 3  # finished; the tracking server missed some of it (kept in journals)
@@ -124,6 +124,8 @@ def _stop(signum, frame):
     second signal during that clean-up is ignored, so nothing is left half-written."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    if defer_interrupt(signum):  # in the middle of a tracking store call: raised when it is done
+        return
     raise Interrupted(signum)
 
 

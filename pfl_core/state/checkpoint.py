@@ -38,9 +38,8 @@ import numpy as np
 import torch
 
 from pfl_core.errors import PflError
-from pfl_core.state import stateio
+from pfl_core.state import provenance, stateio
 from pfl_core.state.locations import beside_store, sqlite_file
-from pfl_core.state import provenance
 
 FORMAT = "pfl-checkpoint/1"
 RUN_FILE = "run.safetensors"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pfl_core.errors import PflError
+from pfl_core.errors import PflError, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for
 from pfl_core.tracking import journal
 
@@ -167,7 +167,7 @@ class MlflowTracker(NullTracker):
         self.experiment_id = mlflow.set_experiment(name).experiment_id
 
     def start(self, experiment, run_name, params, tags):
-        with journal.short_http():
+        with journal.short_http(), deferred_interrupts():
             self._start(experiment, run_name, params, tags)
 
     def _start(self, experiment, run_name, params, tags):
@@ -220,7 +220,7 @@ class MlflowTracker(NullTracker):
         after its checkpoint and before it stopped, are not logged again (they are identical)."""
         mlflow = self.mlflow
         try:
-            with journal.short_http():
+            with journal.short_http(), deferred_interrupts():
                 run = mlflow.start_run(run_id=run_id)
                 client = mlflow.MlflowClient()
                 self.logged = {(key, m.step) for key in run.data.metrics
@@ -265,7 +265,7 @@ class MlflowTracker(NullTracker):
             self._replay()
         end_time = journal.now_ms()
         try:  # end_run takes the run off MLflow's stack of active runs first, then tells the store
-            with journal.short_http():
+            with journal.short_http(), deferred_interrupts():
                 self.mlflow.end_run(status=status)
         except Exception as exc:
             if not journal.is_outage(exc):
@@ -323,7 +323,7 @@ class MlflowTracker(NullTracker):
                 return
         started = time.monotonic()
         try:
-            with journal.short_http():
+            with journal.short_http(), deferred_interrupts():
                 journal.send(self.mlflow.MlflowClient(), record)
         except Exception as exc:
             if not journal.is_outage(exc):
@@ -364,7 +364,7 @@ class MlflowTracker(NullTracker):
     def _replay(self, keep=lambda record: True) -> None:
         started = time.monotonic()
         try:
-            with journal.short_http():
+            with journal.short_http(), deferred_interrupts():
                 self.journal.replay(self.mlflow.MlflowClient(), keep)
         except Exception as exc:
             self._retry_later(time.monotonic() - started)
