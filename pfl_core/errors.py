@@ -23,6 +23,9 @@ class SpecError(PflError):
         self.message = message
         super().__init__(f"{path}: {message}" if path else message)
 
+    def __reduce__(self):  # rebuilt from both parts when it comes back from a worker process
+        return type(self), (self.path, self.message)
+
 
 class DataError(PflError):
     """A dataset cannot be found or read."""
@@ -46,6 +49,9 @@ class Interrupted(KeyboardInterrupt):
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
         self.out_dir: str | None = None
+
+    def __reduce__(self):  # the signal and where it stopped survive a trip through a pipe
+        return type(self), (self.signum,), self.__dict__
 
 
 # A store call cut in half leaves its SQLite write transaction holding the database's lock, and

@@ -9,6 +9,9 @@ Each POINT patches the code of this process only (nothing in pfl_core knows abou
 - ``train:R:B``   SIGKILL at the B-th mini-batch of local training in round R (mid-round)
 - ``eval:R``      SIGKILL as round R's evaluation starts (the round trained, nothing logged)
 - ``sigterm:R``   SIGTERM to itself as round R starts (the clean-interrupt path)
+- ``ckpt-before:R``  SIGKILL as the checkpoint of round R starts to be written
+- ``ckpt-during:R``  SIGKILL while it is written (its client states are on disk, its run file not)
+- ``ckpt-after:R``   SIGKILL right after it is complete (its folder renamed; nothing after that)
 - ``coldstart-fails``  the cold-start evaluation raises
 - ``no-rounds``   running any round is an error (a resume must run only the end)
 """
@@ -66,6 +69,29 @@ def arm(point: str) -> None:
             return evaluate(ctx, *args, **kwargs)
 
         engine.evaluate_clients = patched_evaluate
+    elif kind in ("ckpt-before", "ckpt-during", "ckpt-after"):
+        from pfl_core.state import checkpoint
+
+        write, prune, save_clients = checkpoint.Checkpointer.write, checkpoint.Checkpointer.prune, checkpoint.save_clients
+
+        def patched_write(self, ctx, round, *args, **kwargs):
+            if kind == "ckpt-before" and round == numbers[0]:
+                _kill()
+            return write(self, ctx, round, *args, **kwargs)
+
+        def patched_prune(self):  # the first step after the checkpoint's folder got its name
+            if kind == "ckpt-after" and self.written_round == numbers[0]:
+                _kill()
+            return prune(self)
+
+        def patched_save_clients(store, folder):
+            save_clients(store, folder)
+            if kind == "ckpt-during" and folder.name.startswith(f".round-{numbers[0]:06d}.tmp-"):
+                _kill()
+
+        checkpoint.Checkpointer.write = patched_write
+        checkpoint.Checkpointer.prune = patched_prune
+        checkpoint.save_clients = patched_save_clients
     elif kind == "coldstart-fails":
         def failing(self, ctx):
             raise RuntimeError("injected cold-start failure")

@@ -194,6 +194,53 @@ def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store, method, kills
     assert_identical(clients, ref_clients, "clients")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
+@pytest.mark.parametrize("point, own_dir", [("ckpt-after:1", False), ("ckpt-after:1", True),
+                                            ("ckpt-during:2", False), ("ckpt-before:2", True)])
+def test_resume_by_run_id_after_a_kill_at_a_checkpoint_write(tmp_path, empty_store, point, own_dir):
+    """Killed right after the first checkpoint, while writing the second, or as the second
+    starts: ``--resume RUN_ID`` finds the run's checkpoints (its tag is written before the first
+    one; without it, in the default folder) and ends bit-identical to the run left alone; a
+    half-written checkpoint is removed. ``own_dir``: in a ``checkpoint.dir`` only the tag names."""
+    reference = tmp_path / "reference.db"
+    assert run_main([spec_for(tmp_path, "reference.db", 3, 1, empty_store), "--quiet"]) == 0
+    db = tmp_path / "killed.db"
+    where = {"checkpoint.dir": str(tmp_path / "elsewhere")} if own_dir else {}
+    killed([point], spec_for(tmp_path, "killed.db", 3, 1, empty_store, **where))
+    run_id = only_run(db)
+    folder = (tmp_path / "elsewhere" if own_dir else db.parent / "checkpoints") / run_id
+    half_written = list(folder.glob(".round-*.tmp-*"))
+    assert bool(half_written) == point.startswith("ckpt-during")
+    resume(run_id, "--tracking-uri", f"sqlite:///{db}")
+    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
+    if not own_dir:
+        assert_identical(final_state(db, 3), final_state(reference, 3), "final state")
+    assert not list(folder.glob(".round-*")), "a half-written checkpoint was left behind"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
+@pytest.mark.parametrize("point", ["ckpt-before:1", "ckpt-during:1"])
+def test_a_run_killed_before_its_first_checkpoint_is_complete_says_so(tmp_path, empty_store, capsys, point):
+    db = tmp_path / "killed.db"
+    killed([point], spec_for(tmp_path, "killed.db", 3, 1, empty_store))
+    run_id = only_run(db)
+    assert run_main(["--resume", run_id, "--tracking-uri", f"sqlite:///{db}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"MLflow run {run_id} stopped before its first checkpoint" in err, err
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_round_1(tmp_path, empty_store, capsys, monkeypatch):
+    from pfl_core.engine import Engine
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    spec = spec_for(tmp_path, "store.db", 2, 1, empty_store, **{"checkpoint.dir": str(blocker / "sub")})
+    monkeypatch.setattr(Engine, "run_round", lambda *a, **k: pytest.fail("a round ran"))
+    assert run_main([spec, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "checkpoint.dir" in err and str(blocker / "sub") in err, err
+
+
 # -- a failure at the end: --resume re-runs only the end ------------------------------------------
 
 

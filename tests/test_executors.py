@@ -15,10 +15,11 @@ import torch
 from harness import NEEDS, builtin_algorithms, dry_run_error
 from tiny import tiny_raw
 
-from pfl_core import hookimpl
-from pfl_core.engine import Engine, resolve
-from pfl_core.errors import PflError
 from pfl_core import execution as executors
+from pfl_core import hookimpl
+from pfl_core.cli import run_main
+from pfl_core.engine import Engine, resolve
+from pfl_core.errors import DataError, NonFiniteError, PflError, SpecError
 from pfl_core.execution import planner as plan_module
 from pfl_core.execution import process, views
 from pfl_core.execution import ray_executor as ray_module
@@ -134,6 +135,47 @@ def test_a_plugin_error_in_a_worker_reaches_the_server_as_itself(monkeypatch):
     monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(broken))
     with pytest.raises(ZeroDivisionError, match="plugin bug"):
         run("fedavg", {"name": "process", "workers": 2})
+
+
+@pytest.mark.parametrize("error", [SpecError("algorithm.params.server_arch", "too large to build"),
+                                   DataError("a file went missing"), NonFiniteError("a loss became NaN")],
+                         ids=lambda e: type(e).__name__)
+def test_a_pfl_error_in_a_worker_is_the_line_the_sequential_loop_prints(monkeypatch, capsys, tmp_path, error):
+    """pfl's own errors come back from a worker whole (they pickle with every part), so the
+    command line prints the same one line and exit code as for the sequential loop; a SpecError
+    used to break the pool ("worker process exited with code None")."""
+    from test_cli import write_spec
+    from tiny import tiny_raw
+
+    from pfl_core.registry.defaults import CoreDefaults
+
+    def broken(self, ctx, client):
+        raise error
+
+    monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(broken))
+    said = {}
+    for name in ("sequential", "process"):
+        spec = write_spec(tmp_path, tiny_raw(**{"executor.name": name, "executor.workers": 2}), f"{name}.toml")
+        code = run_main([spec, "--quiet", "--no-tracking"])
+        said[name] = (code, capsys.readouterr().err.strip())
+    assert said["process"] == said["sequential"]
+    assert said["process"][0] == 2 and said["process"][1].count("\n") == 0 and str(error) in said["process"][1]
+
+
+def test_pfl_errors_pickle_with_every_part():
+    import pickle
+
+    from pfl_core.errors import Interrupted
+    from pfl_core.spec import FieldError
+
+    spec_error = pickle.loads(pickle.dumps(SpecError("training.lr", "must be > 0")))
+    assert (type(spec_error), spec_error.path, spec_error.message) == (SpecError, "training.lr", "must be > 0")
+    field = pickle.loads(pickle.dumps(FieldError("lr", "must be > 0")))
+    assert (field.name, field.message) == ("lr", "must be > 0")
+    stopped = Interrupted(15)
+    stopped.round = 3
+    back = pickle.loads(pickle.dumps(stopped))
+    assert (type(back), back.signum, back.round) == (Interrupted, 15, 3)
 
 
 @pytest.mark.parametrize("cores, participants, work, expected", [

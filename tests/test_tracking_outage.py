@@ -276,3 +276,39 @@ def test_replaying_a_journal_twice_stores_each_metric_once(server, tmp_path):
                                           ("loss_mean", 1, 1.0), ("loss_mean", 2, 2.0)]
     assert status(server.db, run_id) == "FINISHED"
     assert artifacts(server.uri, run_id) == {"results/x.csv"}
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.txt", "artifacts/../../outside.txt", "link/x.txt"])
+def test_replay_refuses_a_journal_that_names_a_file_outside_it(tmp_path, capsys, name):
+    """A crafted journal whose artifact record points outside its folder (absolute, ``..``, a
+    link out) is refused in one line before anything of it is sent."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("crafted", (tmp_path / "art").as_uri())).info.run_id
+    (tmp_path / "outside.txt").write_text("not the journal's")
+    folder = tmp_path / "runs" / "journal"
+    crafted = journal.Journal(folder, uri)
+    crafted.add({"op": "metrics", "run_id": run_id, "step": 1, "timestamp": journal.now_ms(),
+                 "metrics": {"acc_mean": 0.5}})
+    (folder / "link").symlink_to(tmp_path)
+    with open(crafted.records_file, "a", encoding="utf-8") as f:
+        f.write(journal.json.dumps({"op": "artifact", "run_id": run_id, "file": name, "artifact_path": None}) + "\n")
+    assert main(["replay", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "outside the journal" in err and "nothing of this journal was sent" in err, err
+    assert client.get_run(run_id).data.metrics == {}  # not even the metric before it
+    assert not client.list_artifacts(run_id) and crafted.pending()
+
+
+def test_replay_sends_the_files_a_journal_wrote_itself(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("own", (tmp_path / "art").as_uri())).info.run_id
+    own = journal.Journal(tmp_path / "journal", uri)
+    own.add({"op": "text", "run_id": run_id, "text": "a,b\n", "artifact_file": "results/x.csv"})
+    assert main(["replay", str(own.folder)]) == 0
+    assert [a.path for a in client.list_artifacts(run_id, "results")] == ["results/x.csv"]

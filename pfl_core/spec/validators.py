@@ -19,6 +19,9 @@ class FieldError(ValueError):
         self.message = message
         super().__init__(f"{name}: {message}")
 
+    def __reduce__(self):
+        return type(self), (self.name, self.message)
+
 
 def described(text: str):
     """Mark a validator with the constraint it enforces, in words (``"each >= 1"``): the

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -178,7 +179,10 @@ def checkpointer_for(engine, resume: "Loaded | None" = None) -> "Checkpointer":
         folder = resume.path.parent
     else:
         folder = run_folder(engine.spec, engine.tracker.run_id, engine.run_name, uri)
-    return Checkpointer(engine, folder, uri, resume.round if resume is not None else 0)
+    checkpointer = Checkpointer(engine, folder, uri, resume.round if resume is not None else 0)
+    if resume is None:
+        checkpointer.begin()
+    return checkpointer
 
 
 def round_in_progress(engine) -> int:
@@ -229,6 +233,24 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return self.folder is not None
+
+    def begin(self) -> None:
+        """Before round 1: the folder exists and can be written (said now, not after a round's
+        work), and the run's ``pfl.checkpoint`` tag names it. The pointer comes first, so a kill
+        at any moment after the first checkpoint is complete leaves a run that ``--resume RUN_ID``
+        finds (it used to be written after that checkpoint)."""
+        if not self.enabled:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.folder):
+                pass
+        except OSError as exc:
+            raise PflError(f"checkpoint.dir: the checkpoint folder {self.folder} cannot be written "
+                           f"({exc.strerror or exc}); fix checkpoint.dir, or set checkpoint.enabled = false") from None
+        if self.engine.tracker.run_id is not None:
+            self.engine.tracker.set_tag(CHECKPOINT_TAG, str(self.folder.resolve()))
+        self.tagged = True
 
     def after_round(self, ctx, round: int, history: list[dict], rows: list[dict]) -> None:
         """Round ``round`` is complete and its metrics are logged: write if it is due."""
@@ -296,6 +318,7 @@ class Checkpointer:
         tmp = self.folder / f".round-{round:06d}.tmp-{os.getpid()}"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(self.folder)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
@@ -330,6 +353,30 @@ class Checkpointer:
     def prune(self) -> None:
         for old in checkpoints(self.folder)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+LEFTOVER = re.compile(r"^\.round-\d+\.(?:tmp|old)-(\d+)$")
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove half-written (``.round-N.tmp-PID``) and replaced (``.old-PID``) checkpoint folders
+    of processes that no longer run: a kill mid-write leaves one, and nothing read them."""
+    for path in folder.iterdir():
+        found = LEFTOVER.match(path.name)
+        if found and path.is_dir() and not _alive(int(found.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process writes under that name only now, after removing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def save_clients(store, folder: Path) -> None:

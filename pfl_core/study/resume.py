@@ -12,8 +12,8 @@ from pfl_core.engine import Engine
 from pfl_core.errors import PflError
 from pfl_core.spec import load_toml, tomllib
 from pfl_core.state import checkpoint, provenance
-from pfl_core.state.checkpoint import CHECKPOINT_TAG
-from pfl_core.state.locations import sqlite_file
+from pfl_core.state.checkpoint import CHECKPOINT_TAG, checkpoints
+from pfl_core.state.locations import beside_store, sqlite_file
 from pfl_core.study.points import PointResult, resolve_points
 from pfl_core.study.report import print_point
 from pfl_core.study.stats import summarize
@@ -69,7 +69,6 @@ def resume_run(target: str, spec_path: str | None, overrides: list[str], *, trac
 
 
 def load_toml_text(text: str) -> dict:
-
     return tomllib.loads(text)
 
 
@@ -77,13 +76,11 @@ def checkpoint_of_run(run_id: str, tracking_uri: str | None, spec_path: str | No
     """The checkpoint folder an MLflow run's ``pfl.checkpoint`` tag names."""
     import mlflow
 
-
     uri = tracking_uri
     if uri is None and spec_path:
         table = load_toml(spec_path).get("tracking")
         uri = (table.get("uri") if isinstance(table, dict) else None) or None
     uri = uri or mlflow.get_tracking_uri()
-
     db = sqlite_file(uri)
     if db is not None and not db.is_file():
         raise PflError(f"--resume: {run_id} is neither a checkpoint folder nor a run of an MLflow store here "
@@ -94,7 +91,13 @@ def checkpoint_of_run(run_id: str, tracking_uri: str | None, spec_path: str | No
         raise PflError(f"--resume: {run_id} is neither a checkpoint folder nor a run in the MLflow store {uri} "
                        f"(give --tracking-uri, or the checkpoint folder)") from None
     folder = run.data.tags.get(CHECKPOINT_TAG)
-    if not folder:
-        raise PflError(f"--resume: MLflow run {run_id} has no checkpoint (no {CHECKPOINT_TAG} tag: it was run "
-                       f"with checkpoint.enabled = false, or stopped before its first checkpoint)")
+    if not folder:  # runs of pfl 0.1 tagged the folder after its first checkpoint: look where it goes
+        default = beside_store(uri) / "checkpoints" / run_id
+        if not checkpoints(default):
+            raise PflError(f"--resume: MLflow run {run_id} has no checkpoint (no {CHECKPOINT_TAG} tag: it was run "
+                           f"with checkpoint.enabled = false, or stopped before its first checkpoint)")
+        folder = str(default)
+    if not checkpoints(Path(folder)):
+        raise PflError(f"--resume: MLflow run {run_id} stopped before its first checkpoint was complete "
+                       f"({folder} holds none); start the run again")
     return folder

@@ -234,11 +234,28 @@ def send(client, record: dict, folder: Path | None = None) -> None:
     elif op == "figure":
         client.log_figure(run_id, record["figure"], record["artifact_file"])
     elif op == "artifact":
-        client.log_artifact(run_id, str(folder / record["file"]), record["artifact_path"])
+        client.log_artifact(run_id, str(artifact_file(folder, record)), record["artifact_path"])
     elif op == "end":
         client.set_terminated(run_id, record["status"], record["end_time"])
     else:
         raise PflError(f"unknown journal record {op!r} (written by another pfl version?)")
+
+
+def artifact_file(folder: Path, record: dict) -> Path:
+    """The file an ``artifact`` record sends: one the journal wrote, under its own folder. A
+    record naming anything else (an absolute path, ``..``, a link out) is refused: a journal is
+    data, and replaying one must never upload a file it does not hold."""
+    name = record.get("file")
+    inside = folder.resolve()
+    path = (folder / name).resolve() if isinstance(name, str) and name else None
+    if path is None or not path.is_relative_to(inside) or path == inside:
+        raise PflError(f"{folder}: a journal record names a file outside the journal ({shown_name(name)}); "
+                       f"refused: nothing of this journal was sent")
+    return path
+
+
+def shown_name(value) -> str:
+    return json.dumps(value, ensure_ascii=True)[:120]
 
 
 def describe(record: dict) -> str:
@@ -281,7 +298,11 @@ def replay_main(paths: list[str], tracking_uri: str | None = None, out=None) -> 
         uri = tracking_uri or journal.stored_uri()
         if not uri:
             raise PflError(f"{folder}: the journal does not say its tracking store; give --tracking-uri")
-        count = len(journal.records())
+        records = journal.records()
+        for record in records:  # every file it would send is its own, before anything is sent
+            if record.get("op") == "artifact":
+                artifact_file(folder, record)
+        count = len(records)
         try:
             with short_http():
                 sent = journal.replay(mlflow.MlflowClient(tracking_uri=uri))
