@@ -28,6 +28,7 @@ from pfl_core.spec.schema import (
 )
 from pfl_core.spec.tomlio import check_nesting, dump_toml, load_toml, parse_value, tomllib
 from pfl_core.spec.validators import (
+    FLOAT_MAX,
     INT_MAX,
     INT_MIN,
     MAX_CLIENTS,
@@ -47,7 +48,7 @@ from pfl_core.spec.validators import (
 )
 
 __all__ = [
-    "CheckpointSection", "DataSection", "EvaluationSection", "ExecutorSection", "ExperimentSection", "FieldError",
+    "FLOAT_MAX", "CheckpointSection", "DataSection", "EvaluationSection", "ExecutorSection", "ExperimentSection", "FieldError",
     "INT_MAX", "INT_MIN", "MAX_CLIENTS", "MAX_NESTING", "MAX_SPEC_BYTES", "MAX_SWEEP_POINTS", "ModelSection",
     "POINTS", "PartitionSection", "PluginRef", "PublicSection", "RENAMED_KEYS", "Spec", "StateSection",
     "TrackingSection", "TrainingSection", "apply_overrides", "at_least", "at_most", "between", "check_nesting",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import typing
 from typing import Any
@@ -16,7 +17,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from cattrs.gen import make_dict_structure_fn
 
 from pfl_core.errors import SpecError, did_you_mean
-from pfl_core.spec.validators import INT_MAX, INT_MIN, FieldError, describe_int
+from pfl_core.spec.validators import FLOAT_MAX, INT_MAX, INT_MIN, FieldError, describe_int
 
 
 def _type_name(value) -> str:
@@ -57,6 +58,16 @@ def _in_toml_range(value):
     return value
 
 
+def _fits_float32(value):
+    """A number for a float key: 1e39 is finite to Python but not to the float32 tensors it
+    scales (``training.lr = 1e39`` ended a run as an internal error). inf and nan are left to
+    the key's own validators (``finite``), which name what the key accepts."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and abs(value) > FLOAT_MAX:
+        raise TypeError(f"expected a number a 32-bit float can hold (|x| <= 3.4e38), got {value:.6g}")
+    return value
+
+
 def make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True)
     not_bool = lambda v: not isinstance(v, bool)  # noqa: E731
@@ -64,7 +75,7 @@ def make_converter() -> cattrs.Converter:
     is_number = _strict(float, lambda v: isinstance(v, (int, float)) and not_bool(v), "a number")
     conv.register_structure_hook(int, lambda v, t: is_int(_in_toml_range(v), t))
     # + 0.0: -0.0 passes ">= 0" yet numpy refuses it as a scale ("scale < 0")
-    conv.register_structure_hook(float, lambda v, t: is_number(_in_toml_range(v), t) + 0.0)
+    conv.register_structure_hook(float, lambda v, t: is_number(_fits_float32(_in_toml_range(v)), t) + 0.0)
     conv.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str), "a string"))
     conv.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool), "true or false"))
     conv.register_structure_hook(Any, lambda v, _t: v)

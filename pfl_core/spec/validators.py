@@ -97,6 +97,7 @@ def one_of(*choices):
 # memory or never finish is refused at its key before anything is allocated.
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # TOML's integers are 64-bit
+FLOAT_MAX = 3.4028234663852886e38  # float32's largest: a spec number meets float32 tensors (lr, decay, ...)
 MAX_CLIENTS = 1_000_000  # partition.num_clients
 MAX_SWEEP_POINTS = 1000  # points of a sweep's cartesian product
 MAX_NESTING = 32  # levels of arrays and tables in a value
