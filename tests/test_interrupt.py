@@ -122,9 +122,11 @@ def test_a_half_built_store_says_what_to_do(tmp_path):
         con.execute("create table alembic_version (version_num text)")
     con.close()
     before = db.read_bytes()
-    code, line, _ = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"}))
-    assert code == 2 and "half-built MLflow store" in line and f"delete {db}" in line, line
-    assert db.read_bytes() == before
+    spec = tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"})
+    for dry in ([], ["--dry-run"]):  # a dry run says it too
+        code, line, _ = run_pfl(tmp_path, spec, *dry)
+        assert code == 2 and "half-built MLflow store" in line and f"mv {db} {db}.half-built" in line, line
+        assert db.read_bytes() == before
 
 
 # -- an interrupt between rounds checkpoints the completed round and says how to resume --------
@@ -229,3 +231,54 @@ def test_a_metric_write_interrupted_by_sigterm_completes_and_the_run_ends_killed
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         assert con.execute("select status from runs").fetchall() == [("KILLED",)]
         assert con.execute("select key, value, step from metrics").fetchall() == [("acc_mean", 0.5, 1)]
+
+
+def test_runs_started_at_once_on_a_new_store_all_succeed(tmp_path):
+    """Four pfl-run processes started together on a store that does not exist yet: one creates
+    it (under a file lock, in a temporary file renamed into place), the others wait and use it."""
+    db = tmp_path / "new.db"
+    spec = write_spec(tmp_path, tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True,
+                                            "tracking.uri": f"sqlite:///{db}", "checkpoint.enabled": False}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([str(BIN / "pfl-run"), spec, "--quiet"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    outcomes = [(proc.wait(timeout=900), proc.stderr.read()) for proc in procs]
+    assert [code for code, _ in outcomes] == [0, 0, 0, 0], outcomes
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        assert con.execute("select status, count(*) from runs group by status").fetchall() == [("FINISHED", 4)]
+    assert not list(tmp_path.glob(".new.db.creating-*"))
+
+
+@pytest.mark.parametrize("when", ["before its tables", "after its tables"])
+def test_a_signal_while_a_store_is_created_leaves_no_store(tmp_path, monkeypatch, when):
+    import mlflow
+
+    from pfl_core.tracking.store_check import create_sqlite_store
+
+    search = mlflow.MlflowClient.search_experiments
+
+    def interrupted(self, *args, **kwargs):
+        if when == "after its tables":
+            search(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlflow.MlflowClient, "search_experiments", interrupted)
+    db = tmp_path / "new.db"
+    with pytest.raises(KeyboardInterrupt):
+        create_sqlite_store(f"sqlite:///{db}")
+    assert not db.exists() and not list(tmp_path.glob(".new.db.creating-*"))
+    monkeypatch.setattr(mlflow.MlflowClient, "search_experiments", search)
+    create_sqlite_store(f"sqlite:///{db}")  # the next run creates it whole
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        tables = {row[0] for row in con.execute("select name from sqlite_master where type = 'table'")}
+    assert {"experiments", "runs", "metrics", "alembic_version"} <= tables
+
+
+def test_an_abandoned_temporary_store_is_removed(tmp_path):
+    from pfl_core.tracking.store_check import create_sqlite_store
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = tmp_path / f".new.db.creating-{int(dead.stdout)}-0a1b2c3d"
+    abandoned.write_bytes(b"half a store")
+    create_sqlite_store(f"sqlite:///{tmp_path / 'new.db'}")
+    assert not abandoned.exists() and (tmp_path / "new.db").stat().st_size > 0

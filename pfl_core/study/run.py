@@ -45,6 +45,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     names = run_names(points)
     check_compare_to(points, names)
     references = reference_points(points)
+    stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
+    for section in stores.values():  # a store that cannot be used is said now, before any training
+        check_store(section, tracking_uri, create=not dry_run)  # a dry run creates nothing
     if dry_run:
         if out_dir is not None:
             check_target(out_dir, overwrite)  # said now, though a dry run writes nothing
@@ -52,9 +55,6 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
-    stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
-    for section in stores.values():  # a store that cannot be used is said now, before any training
-        check_store(section, tracking_uri)
     # Which reference run each point is (None: its own runs), decided once.
     reuses = [next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None) for point in points]
     own_points = [p for p, reused in zip(points, reuses) if reused is None]

@@ -1,7 +1,13 @@
 """Before any training: is the tracking store usable? (a server probe, a read-only look at a
-SQLite file)"""
+SQLite file) And a new SQLite store is created whole or not at all, once, however many runs
+start on it at the same time."""
 
 from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
 
 from pfl_core.errors import PflError
 from pfl_core.state.locations import sqlite_file
@@ -11,11 +17,12 @@ from pfl_core.tracking.tracker import one_line
 PROBE_TIMEOUT_S = 5  # the probe of an HTTP tracking server: one try, at most this long
 
 
-def check_store(section, uri_override: str | None = None) -> None:
+def check_store(section, uri_override: str | None = None, create: bool = True) -> None:
     """Before any training: is the tracking store usable? An unreachable server is said in one
     line within seconds (MLflow itself retries for minutes); a SQLite file that is not an
     MLflow store is refused untouched (MLflow would add its tables to it); a half-built store
-    (its creation interrupted) is named with what to do. Raises PflError."""
+    (its creation interrupted) is named with the command that moves it aside. ``create``: a new
+    SQLite store is made now (:func:`create_sqlite_store`). Raises PflError."""
     if not section.enabled:
         return
     import mlflow
@@ -25,6 +32,63 @@ def check_store(section, uri_override: str | None = None) -> None:
         _probe_server(uri)
     elif uri.startswith("sqlite:///"):
         _check_sqlite(uri)
+        if create:
+            create_sqlite_store(uri)
+
+
+CREATING = re.compile(r"^\.(.+)\.creating-(\d+)-[0-9a-f]+$")
+
+
+def create_sqlite_store(uri: str) -> None:
+    """Create a new SQLite store whole: its tables are made in a temporary file beside it, which
+    is then renamed to the store's name, under a file lock (filelock) that every ``pfl-run``
+    starting on the same new store waits on. A signal at any moment leaves no store or a
+    complete one (two runs started at once on a new store both failed, and a Ctrl-C during the
+    creation left it half-built). The lock file (``<store>.lock``) stays beside the store."""
+    from filelock import FileLock
+
+    db = sqlite_file(uri)
+    if db is None or _has_content(db):
+        return
+    try:
+        with FileLock(f"{db}.lock", timeout=300):
+            if _has_content(db):  # another run made it while this one waited
+                return
+            _remove_abandoned(db)
+            # a new name each time: MLflow keeps a store it opened, by its URI, for the process
+            tmp = db.with_name(f".{db.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                import mlflow
+
+                mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp.resolve()}").search_experiments(max_results=1)
+                os.replace(tmp, db)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        raise PflError(f"tracking.uri {uri}: the store cannot be created in {db.parent} "
+                       f"({exc.strerror or exc}); give another tracking.uri, or run with --no-tracking") from None
+
+
+def _has_content(db: Path) -> bool:
+    return db.exists() and (db.is_dir() or db.stat().st_size > 0)
+
+
+def _remove_abandoned(db: Path) -> None:
+    """Temporary stores of creations that were killed (their process is gone)."""
+    for path in db.parent.glob(f".{db.name}.creating-*"):
+        found = CREATING.match(path.name)
+        if found and not _alive(int(found.group(2))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _probe_server(uri: str) -> None:
@@ -87,7 +151,20 @@ def _check_sqlite(uri: str) -> None:
         raise PflError(f"{where}: {db} is a SQLite database of something else (tables "
                        f"{', '.join(sorted(tables)[:5])}), not an MLflow store; it was left as it is: "
                        f"give another file (a new name is created)")
-    if not revision or not {"experiments", "runs"} <= tables:
-        advice = (f"delete {db} and run again (it holds no runs)" if not runs else
-                  f"back it up, then run: mlflow db upgrade {uri}")
-        raise PflError(f"{where}: {db} is a half-built MLflow store (its creation was interrupted); {advice}")
+    head = _schema_head()
+    if not revision or not {"experiments", "runs"} <= tables or (head and revision[0][0] != head and not runs):
+        raise PflError(f"{where}: {db} is a half-built MLflow store (its creation was interrupted; it holds "
+                       f"{runs} runs); move it aside and run again: mv {db} {db}.half-built")
+    if head and revision[0][0] != head:
+        raise PflError(f"{where}: {db} has MLflow schema revision {revision[0][0]}, not this MLflow's ({head}); "
+                       f"back it up, then run: mlflow db upgrade {uri}")
+
+
+def _schema_head() -> str | None:
+    """The schema revision this MLflow creates (None if its private helper moved)."""
+    try:
+        from mlflow.store.db.utils import _get_latest_schema_revision
+
+        return _get_latest_schema_revision()
+    except Exception:  # pragma: no cover - an MLflow without the helper: the revision goes unchecked
+        return None
