@@ -12,8 +12,9 @@ from pathlib import Path
 from pfl_core.errors import PflError
 from pfl_core.state.locations import sqlite_file
 from pfl_core.tracking import journal
-from pfl_core.tracking.tracker import one_line
+from pfl_core.tracking.tracker import one_line, quiet_mlflow
 
+DEFAULT_URI = "sqlite:///mlflow.db"  # MLflow 3's own default store: mlflow.db in the working directory
 PROBE_TIMEOUT_S = 5  # the probe of an HTTP tracking server: one try, at most this long
 
 
@@ -25,6 +26,11 @@ def check_store(section, uri_override: str | None = None, create: bool = True) -
     SQLite store is made now (:func:`create_sqlite_store`). Raises PflError."""
     if not section.enabled:
         return
+    if not create:  # a dry run: a look at a SQLite file only, without importing MLflow (slow)
+        uri = uri_override or section.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        if uri.startswith("sqlite:///"):
+            _check_sqlite(uri, check_revision=False)
+        return
     import mlflow
 
     uri = uri_override or section.uri or mlflow.get_tracking_uri()
@@ -32,8 +38,7 @@ def check_store(section, uri_override: str | None = None, create: bool = True) -
         _probe_server(uri)
     elif uri.startswith("sqlite:///"):
         _check_sqlite(uri)
-        if create:
-            create_sqlite_store(uri)
+        create_sqlite_store(uri)
 
 
 CREATING = re.compile(r"^\.(.+)\.creating-(\d+)-[0-9a-f]+$")
@@ -60,6 +65,7 @@ def create_sqlite_store(uri: str) -> None:
             try:
                 import mlflow
 
+                quiet_mlflow()
                 mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp.resolve()}").search_experiments(max_results=1)
                 os.replace(tmp, db)
             finally:
@@ -116,8 +122,9 @@ def _connection_reason(text: str) -> str:
 MLFLOW_TABLES = {"experiments", "runs", "metrics", "params", "tags", "alembic_version"}
 
 
-def _check_sqlite(uri: str) -> None:
-    """Read-only look at a SQLite store (never modified here)."""
+def _check_sqlite(uri: str, check_revision: bool = True) -> None:
+    """Read-only look at a SQLite store (never modified here); ``revision``: also compare its
+    schema revision with this MLflow's (``check_revision``; it imports MLflow)."""
     import sqlite3
 
     db = sqlite_file(uri)
@@ -151,7 +158,7 @@ def _check_sqlite(uri: str) -> None:
         raise PflError(f"{where}: {db} is a SQLite database of something else (tables "
                        f"{', '.join(sorted(tables)[:5])}), not an MLflow store; it was left as it is: "
                        f"give another file (a new name is created)")
-    head = _schema_head()
+    head = _schema_head() if check_revision else None
     if not revision or not {"experiments", "runs"} <= tables or (head and revision[0][0] != head and not runs):
         raise PflError(f"{where}: {db} is a half-built MLflow store (its creation was interrupted; it holds "
                        f"{runs} runs); move it aside and run again: mv {db} {db}.half-built")

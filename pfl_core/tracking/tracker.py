@@ -119,19 +119,23 @@ class NullTracker:
         pass
 
 
+def quiet_mlflow() -> None:
+    """Quiet MLflow's start-up chatter (database creation and migrations, run links) on stderr;
+    MLflow logs a store's database errors with a traceback, and an outage is said in one line."""
+    import logging
+
+    for name in ("alembic", "mlflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
 class MlflowTracker(NullTracker):
     """Logs to MLflow. ``uri`` empty: MLflow's own default (sqlite ``mlflow.db`` here)."""
 
     def __init__(self, uri: str = "", study=None):
-        import logging
-
         import mlflow  # imported lazily: it is slow and only needed when tracking
 
-        # Quiet MLflow's start-up chatter (database migrations, run links) on stderr.
-        for name in ("alembic", "mlflow"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        # MLflow logs a store's database errors with a traceback; an outage is said in one line
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+        quiet_mlflow()
         self.mlflow = mlflow
         if uri:
             mlflow.set_tracking_uri(uri)
