@@ -109,13 +109,23 @@ def kill_always(monkeypatch, client_id, round):
     monkeypatch.setattr(CoreDefaults, "local_train", hookimpl(always_dies))
 
 
-def test_a_killed_worker_is_retried_and_the_result_is_unchanged(tmp_path, monkeypatch):
+def test_a_killed_worker_is_retried_and_the_result_is_unchanged(tmp_path, monkeypatch, capsys):
+    """The result is exact, and the retry is said: a warning line naming the client and round,
+    and a run tag (``pfl.worker_retry.1``)."""
     clean, _ = run("fedavg", {"name": "sequential"})
     from pfl_core.registry.defaults import CoreDefaults
+    from pfl_core.tracking.tracker import NullTracker
+
+    tags = {}
+    monkeypatch.setattr(NullTracker, "set_tag", lambda self, key, value: tags.__setitem__(key, value))
     monkeypatch.setattr(CoreDefaults, "local_train", kill_once(str(tmp_path / "died"), 2, 2))
+    capsys.readouterr()
     retried, _ = run("fedavg", {"name": "process", "workers": 2, "retries": 1})
     assert (tmp_path / "died").exists()  # the worker did die once
     assert metrics_of(retried) == metrics_of(clean)
+    said = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(said) == 1 and "client 2 in round 2" in said[0] and "running it again (retry 1 of 1" in said[0], said
+    assert list(tags) == ["pfl.worker_retry.1"] and "client 2 in round 2" in tags["pfl.worker_retry.1"]
 
 
 def test_a_worker_that_keeps_dying_stops_the_run_naming_client_and_round(tmp_path, monkeypatch):

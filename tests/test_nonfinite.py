@@ -20,6 +20,7 @@ class Recorder:
 
     def __init__(self):
         self.metrics = []
+        self.tags = {}
 
     def start(self, *args):
         pass
@@ -33,8 +34,8 @@ class Recorder:
     def log_figure(self, *args):
         pass
 
-    def set_tag(self, *args):
-        pass
+    def set_tag(self, key, value):
+        self.tags[key] = value
 
     def end(self, status="FINISHED"):
         pass
@@ -86,7 +87,7 @@ def test_skip_client_averages_the_others_and_logs_how_many_were_skipped():
     assert all(torch.isfinite(v).all() for v in glob.values())
 
 
-def test_skip_client_with_every_client_skipped_keeps_the_global_model():
+def test_skip_client_with_every_client_skipped_keeps_the_global_model_and_warns(capsys):
     raw = tiny_raw(**{"experiment.rounds": 2, "training.on_nonfinite": "skip_client"})
     tracker = Recorder()
     engine = Poisoned(resolve(raw), tracker=tracker, progress=False, poison=range(4))
@@ -95,6 +96,16 @@ def test_skip_client_with_every_client_skipped_keeps_the_global_model():
     for key, value in engine.ctx.server["global"].items():
         assert torch.equal(value, initial[key]), key
     assert [m["skipped_clients"] for _, m in tracker.metrics] == [4.0, 4.0]
+    warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "every client update was dropped (8 diverged" in warning[0], warning
+    assert "every client update was dropped" in tracker.tags["pfl.warning"]
+
+
+def test_skip_client_with_some_updates_kept_does_not_warn(capsys):
+    raw = tiny_raw(**{"experiment.rounds": 1, "training.on_nonfinite": "skip_client"})
+    tracker = Recorder()
+    Poisoned(resolve(raw), tracker=tracker, progress=False).run()
+    assert "warning" not in capsys.readouterr().err and "pfl.warning" not in tracker.tags
 
 
 def test_stop_is_the_default_and_names_round_client_and_the_setting():

@@ -24,7 +24,7 @@ from pfl_core.seeding import numpy_rng
 from pfl_core.spec import Spec, dump_toml, structure, unstructure
 from pfl_core.state import checkpoint
 from pfl_core.tracking.tables import table_csv
-from pfl_core.tracking.terminal import Progress, status_line
+from pfl_core.tracking.terminal import Progress, status_line, warning_line
 from pfl_core.tracking.tracker import NullTracker, flatten, log_accuracy_distribution, one_line, run_status
 
 
@@ -117,6 +117,8 @@ class Engine:
         self.show_progress = progress and self.spec.tracking.progress
         self.run_name = run_name or self.spec.tracking.run_name or self.spec.algorithm.name
         self.progress_label = progress_label or self.run_name  # "run 2/6 fedprox" during a sweep
+        self.updates = {"kept": 0, "dropped": 0}  # client updates the server took / skip_client dropped
+        self.resume = None
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -156,7 +158,17 @@ class Engine:
         name, workers, threads = plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name in ("process", "ray") else 1, "threads": threads}
-        return make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
+        executor = make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
+        if hasattr(executor, "on_retry"):
+            executor.on_retry = self._worker_retried
+        return executor
+
+    def _worker_retried(self, text: str) -> None:
+        """A worker died and its items run again: said on stderr and kept as a run tag
+        (``pfl.worker_retry.N``), since the result is still exact but the run was not smooth."""
+        self.worker_retries = getattr(self, "worker_retries", 0) + 1
+        warning_line(text)
+        self.tracker.set_tag(f"pfl.worker_retry.{self.worker_retries}", text)
 
     # -- one round --------------------------------------------------------------------
 
@@ -192,10 +204,12 @@ class Engine:
             ctx.resolved_value(name, value)
         if result.diverged is not None:
             if result.upload is None and self.spec.training.on_nonfinite == "skip_client":
+                self.updates["dropped"] += 1
                 return client_id, None
             raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: "
                                  f"{result.diverged}; training diverged: lower training.lr (now {self.spec.training.lr}) "
                                  f"or set training.on_nonfinite = \"skip_client\"")
+        self.updates["kept"] += 1
         if result.train_loss is not None:
             ctx.train_losses.append(result.train_loss)
         for logged_id, values in result.logged:
@@ -341,6 +355,12 @@ class Engine:
                 self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
                 rows = ([{**row, "coldstart": False} for row in rows]
                         + [{**row, "coldstart": True} for row in coldstart_rows])
+        if self.updates["dropped"] and not self.updates["kept"] and self.resume is None:
+            text = (f"run {self.run_name!r}: every client update was dropped ({self.updates['dropped']} diverged, "
+                    f"training.on_nonfinite = \"skip_client\"), so the server learned nothing from its clients; "
+                    f"lower training.lr (now {spec.training.lr})")
+            warning_line(text)
+            self.tracker.set_tag("pfl.warning", text)
         self._log_results(rows, ctx.client_series)
         final.pop("round", None)
         return RunResult(history=history, client_rows=rows, final=final, errors=errors)

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -165,6 +166,8 @@ class ProcessExecutor:
         self._run_pool = None  # the pool of the run's client side, and the run it forked with
         self._item_seconds: dict = {}  # CPU seconds per item of the last map, by function
         self._run_pool_constant: dict | None = None
+        # Told of each retry (the engine logs a warning line and an MLflow tag); default: stderr.
+        self.on_retry: Callable[[str], None] = lambda text: print(f"pfl: warning: {text}", file=sys.stderr)
 
     def _new_pool(self, fn=None, runtime: dict | None = None):
         """A pool whose workers fork (at its first submit, right after this) with ``fn`` as the
@@ -233,6 +236,8 @@ class ProcessExecutor:
                     if failures[culprit[0]] > self.retries:
                         raise PflError(f"executor: a worker process {_death(code)} while running {culprit[1]}; "
                                        f"retried {self.retries} time(s) (executor.retries = {self.retries})") from None
+                    self.on_retry(f"a worker process {_death(code)} while running {culprit[1]}; running it again "
+                                  f"(retry {failures[culprit[0]]} of {self.retries}, executor.retries)")
                     if split is None:
                         pool.shutdown(wait=True, cancel_futures=True)
                     pool = make_pool()  # run the unfinished items again, in order

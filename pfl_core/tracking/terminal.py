@@ -62,6 +62,14 @@ def status_line(text: str, enabled: bool = True, stream=None) -> None:
         tqdm.write(text, file=stream)
 
 
+def warning_line(text: str, stream=None) -> None:
+    """``pfl: warning: TEXT`` on stderr, on any stream (a log keeps it), without breaking a
+    progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"pfl: warning: {text}", file=stream or sys.stderr)
+
+
 def human_bytes(value: float) -> str:
     """A byte count for people: ``0 B``, ``512 B``, ``16.2 kB``, ``1.6 MB``, ``3.1 GB`` (powers of
     1000, as MLflow's and most tools' MB)."""
