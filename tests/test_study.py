@@ -160,3 +160,60 @@ def test_resolved_value_is_logged_once_as_a_resolved_param():
     ctx.resolved_value("num_clusters", 3)
     ctx.resolved_value("num_clusters", 3)
     assert ctx.tracker.params == [("resolved.num_clusters", 3)] and ctx.resolved_values == {"num_clusters": 3}
+
+
+def _sweep_spec(tmp_path, values, **overrides):
+    from test_cli import write_spec
+    from tiny import tiny_raw
+
+    raw = tiny_raw(**{"experiment.rounds": 1, **overrides})
+    raw["sweep"] = {"training.lr": values}
+    return write_spec(tmp_path, raw)
+
+
+def test_a_study_of_more_than_100_runs_needs_yes_and_a_dry_run_says_its_size(tmp_path, capsys, monkeypatch):
+    from pfl_core.cli import run_main
+    from pfl_core.errors import PflError
+    from pfl_core.study import run as study_run
+
+    spec = _sweep_spec(tmp_path, [0.01 + i / 1000 for i in range(34)], **{"experiment.seeds": [0, 1, 2]})
+    assert run_main([spec, "--quiet"]) == 2  # 34 points x 3 seeds = 102 runs
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "34 sweep point(s) x 3 seed(s): 102 runs, more than 100; run it with --yes" in err
+
+    def stop(*args, **kwargs):
+        raise PflError("stopped at the first run")
+
+    monkeypatch.setattr(study_run, "run_point", stop)
+    assert run_main([spec, "--quiet", "--yes"]) == 2
+    assert "stopped at the first run" in capsys.readouterr().err  # --yes: past the size check
+
+    small = _sweep_spec(tmp_path, [0.01, 0.02], **{"experiment.seeds": [0, 1, 2]})
+    assert run_main([small, "--quiet"]) == 2 and "stopped at the first run" in capsys.readouterr().err
+
+
+def test_a_dry_run_of_a_large_study_says_its_size_first(tmp_path, capsys, monkeypatch):
+    from pfl_core.cli import run_main
+    from pfl_core.study import run as study_run
+
+    monkeypatch.setattr(study_run, "dry_run_report", lambda points, out: None)  # the size line is the point
+    spec = _sweep_spec(tmp_path, [0.01 + i / 1000 for i in range(101)])
+    assert run_main([spec, "--dry-run"]) == 0
+    assert "note: a dry run of 101 sweep point(s) x 1 seed(s): 101 runs" in capsys.readouterr().err
+
+
+def test_a_bad_value_in_the_last_sweep_point_is_said_before_the_first_point_trains(tmp_path, capsys, monkeypatch):
+    """The last point's partition cannot be made (more samples per client than the data holds,
+    which only building the data finds): the study stops with its one line before any trains."""
+    from test_cli import write_spec
+    from tiny import tiny_raw
+
+    from pfl_core.cli import run_main
+    from pfl_core.engine import Engine
+
+    monkeypatch.setattr(Engine, "run_round", lambda *a, **k: pytest.fail("a round trained"))
+    raw = tiny_raw(**{"experiment.rounds": 1})
+    raw["sweep"] = {"partition.min_samples": [10, 10_000]}
+    assert run_main([write_spec(tmp_path, raw), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "min_samples" in err, err

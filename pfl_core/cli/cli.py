@@ -43,6 +43,8 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                              "CSVs and the spec as run; with or without tracking")
     parser.add_argument("--overwrite", action="store_true", help="let --out replace the results in an existing DIR")
     parser.add_argument("--clients", action="store_true", help="also print each run's per-client table")
+    parser.add_argument("--yes", action="store_true",
+                        help="run a study of more than 100 runs (sweep points x seeds, references) without asking")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar, no loading line, no locations: only the run summaries and the comparison")
     parser.add_argument("--resume", metavar="PATH_OR_RUN_ID", default=None,
@@ -61,7 +63,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     if args.resume is None and args.spec is None:
         parser.error("the following arguments are required: spec")
     if args.resume is not None:
-        clash = [flag for flag, given in (("--dry-run", args.dry_run), ("--sweep", args.sweeps),
+        clash = [flag for flag, given in (("--dry-run", args.dry_run), ("--sweep", args.sweeps), ("--yes", args.yes),
                                           ("--no-sweep", args.no_sweep), ("--out", args.out),
                                           ("--no-tracking", args.no_tracking)) if given]
         if clash:
@@ -80,7 +82,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
             results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
                                     no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
                                     no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
-                                    clients=args.clients)
+                                    clients=args.clients, yes=args.yes)
     except PflError as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,10 +8,13 @@ import math
 from typing import Any
 
 import attrs
+import torch
 
 from pfl_core import registry
+from pfl_core.data.federated import build_federated_data
 from pfl_core.engine import Resolved, RunResult, resolve
 from pfl_core.errors import SpecError
+from pfl_core.runtime.context import ModelBank
 from pfl_core.spec import POINTS, PluginRef, apply_overrides, expand_sweep, set_dotted, shown, structure
 from pfl_core.study.stats import Summary
 from pfl_core.tracking.tracker import flatten
@@ -187,3 +190,27 @@ def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, st
     swept = list(dict.fromkeys(k for p in points for k in p.settings))
     tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
     return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
+
+
+def point_builds(point: Point):
+    """Build what a point's run would build first: its data partition (of its first seed) and
+    every client's model (on the CPU); raises the SpecError or DataError the run would. Returns
+    the federated data."""
+    spec = point.for_seed(point.seeds[0]).spec if point.seeds else point.resolved.spec
+    data = build_federated_data(spec)
+    ModelBank(point.resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+    return data
+
+
+def check_every_point_builds(points: list[Point]) -> None:
+    """Before the first run trains: every point's data and models build, so a bad value in the
+    last sweep point is said now, not after the others trained. Points that share their data,
+    partition, seeds and models are built once."""
+    seen = set()
+    for point in points:
+        shared = {key: point.resolved.as_dict.get(key) for key in ("data", "partition", "public", "model")}
+        shared["seed"] = point.seeds[0] if point.seeds else point.resolved.spec.experiment.seed
+        key = repr(shared)
+        if key not in seen:
+            seen.add(key)
+            point_builds(point)

@@ -3,12 +3,8 @@ the comparison table with paired differences, the dry run's report and where the
 
 from __future__ import annotations
 
-import torch
-
-from pfl_core.data.federated import build_federated_data
 from pfl_core.engine import RunResult
-from pfl_core.runtime.context import ModelBank
-from pfl_core.study.points import Point, PointResult
+from pfl_core.study.points import Point, PointResult, point_builds
 from pfl_core.study.stats import Summary, paired_difference
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds
 
@@ -31,18 +27,14 @@ def print_locations(point: Point, out_dir: str | None, out) -> None:
 
 
 def dry_run_report(points: list[Point], out) -> None:
-
-
     for point in points:
         if point.settings:
             print(f"# sweep point: {point.settings}", file=out)
         print(point.resolved.toml(), file=out)
-        spec = point.resolved.spec
         if point.seeds:
             print(f"# seeds: {', '.join(map(str, point.seeds))} ({len(point.seeds)} runs of this point, "
                   f"each with its own partition and initialisation)", file=out)
-        data = build_federated_data(point.for_seed(point.seeds[0]).spec if point.seeds else spec)
-        ModelBank(spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+        data = point_builds(point)
         sizes = [c.num_train for c in data.clients]
         public = f", public set {len(data.public.indices)}" if data.public is not None else ""
         print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "

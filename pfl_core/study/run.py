@@ -12,6 +12,7 @@ from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
     PointResult,
     check_compare_to,
+    check_every_point_builds,
     reference_points,
     resolve_points,
     run_names,
@@ -29,10 +30,11 @@ from pfl_core.tracking.study import begin_study, studied
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
                   no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
-                  clients: bool = False) -> list[PointResult]:
+                  clients: bool = False, yes: bool = False) -> list[PointResult]:
     """Run every point of the spec. ``out_dir``: also write the results there
     (:mod:`pfl_core.study.results`), after the spec validated; a failure part-way still writes what
-    finished (and an ``INCOMPLETE`` file) before it propagates."""
+    finished (and an ``INCOMPLETE`` file) before it propagates. A study of more than
+    ``LARGE_STUDY`` runs needs ``yes`` (a dry run of one says its size first)."""
 
     out = out or sys.stdout
     if no_tracking:
@@ -45,6 +47,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     names = run_names(points)
     check_compare_to(points, names)
     references = reference_points(points)
+    check_size(points, references, dry_run, yes)
     stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
     for section in stores.values():  # a store that cannot be used is said now, before any training
         check_store(section, tracking_uri, create=not dry_run)  # a dry run creates nothing
@@ -55,6 +58,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         return []
+    check_every_point_builds([*points, *(ref for _, ref in references)])
     # Which reference run each point is (None: its own runs), decided once.
     reuses = [next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None) for point in points]
     own_points = [p for p, reused in zip(points, reuses) if reused is None]
@@ -123,3 +127,22 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     if not quiet:  # --quiet: the summaries and the comparison only
         print_locations(points[0], out_dir, out)
     return shown
+
+
+LARGE_STUDY = 100  # runs (sweep points x seeds, and the reference runs) a study starts without --yes
+
+
+def check_size(points: list, references: list, dry_run: bool, yes: bool) -> None:
+    """A study larger than ``LARGE_STUDY`` runs is refused without ``--yes`` (a typo in a sweep
+    axis multiplies it); a dry run of one says its size on stderr before it builds every point."""
+    seeds = max(len(p.seeds or [0]) for p in points)
+    runs = sum(len(p.seeds or [0]) for p in [*points, *(ref for _, ref in references)])
+    if runs <= LARGE_STUDY:
+        return
+    size = (f"{len(points)} sweep point(s) x {seeds} seed(s)" + (f" and {len(references)} reference run(s)"
+                                                                 if references else "") + f": {runs} runs")
+    if dry_run:
+        print(f"note: a dry run of {size}; each point's data is partitioned and its models built", file=sys.stderr)
+    elif not yes:
+        raise PflError(f"the spec is a study of {size}, more than {LARGE_STUDY}; run it with --yes, or narrow it "
+                       f"with --set / --sweep (--dry-run checks it first)")
