@@ -55,6 +55,14 @@ TESTS: dict[str, list[str]] = {
     "pfl_core/engine/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
     "pfl_core/state/stateio.py": ["tests/test_stateio.py"],
     "pfl_core/models/zoo.py": ["tests/test_models.py"],
+    # Issue 20's reliability code: the journal's file check, the float32 bound, the store's creation
+    "pfl_core/tracking/journal.py": ["tests/test_tracking_outage.py::test_replay_refuses_a_journal_that_names_a_file_outside_it",
+                                     "tests/test_tracking_outage.py::test_replay_sends_the_files_a_journal_wrote_itself"],
+    "pfl_core/spec/convert.py": ["tests/test_numeric_keys.py", "tests/test_spec.py", "tests/test_bad_input.py"],
+    "pfl_core/tracking/store_check.py": ["tests/test_interrupt.py::test_a_signal_while_a_store_is_created_leaves_no_store",
+                                         "tests/test_interrupt.py::test_an_abandoned_temporary_store_is_removed",
+                                         "tests/test_interrupt.py::test_a_half_built_store_says_what_to_do",
+                                         "tests/test_interrupt.py::test_runs_started_at_once_on_a_new_store_all_succeed"],
     "pfl_core/execution/process.py": [f"tests/test_executors.py::{name}" for name in (
         "test_items_and_results_pickle_tensors_exactly",
         "test_pickler_sends_a_repeated_tensor_once_and_only_its_own_bytes",

@@ -112,3 +112,16 @@ def test_a_newline_in_a_users_value_is_echoed_escaped_on_one_line(tmp_path, caps
     code = run_main([str(tmp_path / "no\nsuch.toml")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no\\nsuch.toml" in err, err
+
+
+def test_the_float32_bound_is_exact():
+    """float32's largest value is accepted; the next double above it is not."""
+    import math
+
+    from pfl_core.spec import FLOAT_MAX
+
+    assert resolve(tiny_raw(**{"training.weight_decay": FLOAT_MAX})).spec.training.weight_decay == FLOAT_MAX
+    with pytest.raises(SpecError, match="training.weight_decay: expected a number a 32-bit float can hold"):
+        resolve(tiny_raw(**{"training.weight_decay": math.nextafter(FLOAT_MAX, math.inf)}))
+    with pytest.raises(SpecError, match="training.lr"):
+        resolve(tiny_raw(**{"training.lr": -math.nextafter(FLOAT_MAX, math.inf)}))
