@@ -61,6 +61,7 @@ TESTS: dict[str, list[str]] = {
     "pfl_core/spec/convert.py": ["tests/test_numeric_keys.py", "tests/test_spec.py", "tests/test_bad_input.py"],
     "pfl_core/tracking/store_check.py": ["tests/test_interrupt.py::test_a_signal_while_a_store_is_created_leaves_no_store",
                                          "tests/test_interrupt.py::test_an_abandoned_temporary_store_is_removed",
+                                         "tests/test_interrupt.py::test_a_temporary_store_of_a_live_process_is_kept_and_that_process_left_alone",
                                          "tests/test_interrupt.py::test_a_half_built_store_says_what_to_do",
                                          "tests/test_interrupt.py::test_runs_started_at_once_on_a_new_store_all_succeed"],
     "pfl_core/execution/process.py": [f"tests/test_executors.py::{name}" for name in (
