@@ -40,7 +40,7 @@ import torch
 
 from pfl_core.errors import PflError
 from pfl_core.state import provenance, stateio
-from pfl_core.state.locations import beside_store, sqlite_file
+from pfl_core.state.locations import beside_store, process_running, sqlite_file
 
 FORMAT = "pfl-checkpoint/1"
 RUN_FILE = "run.safetensors"
@@ -363,20 +363,8 @@ def remove_leftovers(folder: Path) -> None:
     of processes that no longer run: a kill mid-write leaves one, and nothing read them."""
     for path in folder.iterdir():
         found = LEFTOVER.match(path.name)
-        if found and path.is_dir() and not _alive(int(found.group(1))):
+        if found and path.is_dir() and (int(found.group(1)) == os.getpid() or not process_running(int(found.group(1)))):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # this process writes under that name only now, after removing it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def save_clients(store, folder: Path) -> None:

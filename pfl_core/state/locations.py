@@ -6,6 +6,7 @@ Below both tracking and checkpointing, which each need to know where a store liv
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -31,3 +32,15 @@ def beside_store(tracking_uri: str | None) -> Path:
     """The folder of a SQLite store's file (absolute); the working directory for other stores."""
     db = sqlite_file(tracking_uri or "")
     return db.resolve().parent if db is not None else Path.cwd()
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs (signal 0 asks without signalling): a temporary file named
+    after a process that is gone was abandoned (a checkpoint or a store half-written by a kill)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from pfl_core.errors import PflError
-from pfl_core.state.locations import sqlite_file
+from pfl_core.state.locations import process_running, sqlite_file
 from pfl_core.tracking import journal
 from pfl_core.tracking.tracker import one_line, quiet_mlflow
 
@@ -83,18 +83,8 @@ def _remove_abandoned(db: Path) -> None:
     """Temporary stores of creations that were killed (their process is gone)."""
     for path in db.parent.glob(f".{db.name}.creating-*"):
         found = CREATING.match(path.name)
-        if found and not _alive(int(found.group(2))):
+        if found and not process_running(int(found.group(2))):
             path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _probe_server(uri: str) -> None:
