@@ -84,7 +84,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
                                     no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
                                     clients=args.clients, yes=args.yes)
     except PflError as exc:
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        print(f"{prog}: error: {escape_newlines(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         print(f"{prog}: {interrupted_line(exc)}", file=sys.stderr)
@@ -99,13 +99,13 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
         _restore_signals(previous)
     errors = [e for point in results for run in point.runs for e in run.errors]
     for error in errors:  # the runs finished and were logged; a late step did not
-        print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+        print(f"{prog}: error: {escape_newlines(error)}", file=sys.stderr)
     if errors:
         return 1
     return _tracking_pending(prog, UNSENT[unsent_before:])
 
 
-def one_line(message) -> str:
+def escape_newlines(message) -> str:
     """An error message as one line: a newline or carriage return a user's value brought in (a
     key, a path, a name) is shown escaped, as Python writes it in a string."""
     return str(message).replace("\r", "\\r").replace("\n", "\\n")
@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except PflError as exc:
-        print(f"pfl {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        print(f"pfl {args.command}: error: {escape_newlines(exc)}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_USAGE
 

@@ -117,7 +117,8 @@ class Engine:
         self.show_progress = progress and self.spec.tracking.progress
         self.run_name = run_name or self.spec.tracking.run_name or self.spec.algorithm.name
         self.progress_label = progress_label or self.run_name  # "run 2/6 fedprox" during a sweep
-        self.updates = {"kept": 0, "dropped": 0}  # client updates the server took / skip_client dropped
+        self.trained = self.diverged = 0  # skip_client: participants that trained / that diverged, all rounds
+        self.worker_retries = 0
         self.resume = None
 
     # -- set-up -----------------------------------------------------------------------
@@ -166,7 +167,7 @@ class Engine:
     def _worker_retried(self, text: str) -> None:
         """A worker died and its items run again: said on stderr and kept as a run tag
         (``pfl.worker_retry.N``), since the result is still exact but the run was not smooth."""
-        self.worker_retries = getattr(self, "worker_retries", 0) + 1
+        self.worker_retries += 1
         warning_line(text)
         self.tracker.set_tag(f"pfl.worker_retry.{self.worker_retries}", text)
 
@@ -204,12 +205,10 @@ class Engine:
             ctx.resolved_value(name, value)
         if result.diverged is not None:
             if result.upload is None and self.spec.training.on_nonfinite == "skip_client":
-                self.updates["dropped"] += 1
                 return client_id, None
             raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: "
                                  f"{result.diverged}; training diverged: lower training.lr (now {self.spec.training.lr}) "
                                  f"or set training.on_nonfinite = \"skip_client\"")
-        self.updates["kept"] += 1
         if result.train_loss is not None:
             ctx.train_losses.append(result.train_loss)
         for logged_id, values in result.logged:
@@ -240,6 +239,8 @@ class Engine:
                     kept.append((i, upload if skip else copy_payload(upload)))
             if skip:
                 ctx.round_metrics["skipped_clients"] = float(skipped)
+                self.diverged += skipped
+                self.trained += len(participants) - skipped
             if kept:
                 if len(kept) < len(participants):
                     total = sum(weights[i] for i, _ in kept)
@@ -355,8 +356,8 @@ class Engine:
                 self.tracker.log_metrics(coldstart, step=spec.experiment.rounds)
                 rows = ([{**row, "coldstart": False} for row in rows]
                         + [{**row, "coldstart": True} for row in coldstart_rows])
-        if self.updates["dropped"] and not self.updates["kept"] and self.resume is None:
-            text = (f"run {self.run_name!r}: every client update was dropped ({self.updates['dropped']} diverged, "
+        if self.diverged and not self.trained and self.resume is None:
+            text = (f"run {self.run_name!r}: every client update was dropped ({self.diverged} diverged, "
                     f"training.on_nonfinite = \"skip_client\"), so the server learned nothing from its clients; "
                     f"lower training.lr (now {spec.training.lr})")
             warning_line(text)

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -20,6 +19,7 @@ import torch
 
 from pfl_core.errors import PflError
 from pfl_core.execution.views import rebuild_view_call, split_view_call
+from pfl_core.tracking.terminal import warning_line
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -166,8 +166,8 @@ class ProcessExecutor:
         self._run_pool = None  # the pool of the run's client side, and the run it forked with
         self._item_seconds: dict = {}  # CPU seconds per item of the last map, by function
         self._run_pool_constant: dict | None = None
-        # Told of each retry (the engine logs a warning line and an MLflow tag); default: stderr.
-        self.on_retry: Callable[[str], None] = lambda text: print(f"pfl: warning: {text}", file=sys.stderr)
+        # Told of each retry (the engine adds an MLflow tag to the warning line).
+        self.on_retry: Callable[[str], None] = warning_line
 
     def _new_pool(self, fn=None, runtime: dict | None = None):
         """A pool whose workers fork (at its first submit, right after this) with ``fn`` as the

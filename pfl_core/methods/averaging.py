@@ -16,14 +16,12 @@ def require_single_architecture(spec, method: str) -> None:
     """Weight averaging needs every client to share one architecture."""
     archs = set(spec.model.clients or spec.model.pool or [spec.model.name])
     if len(archs) > 1:
-        key = "model.clients" if spec.model.clients else "model.pool"
-        raise SpecError(key, f"{method} averages weights, so every client needs the same architecture; "
+        raise SpecError(model_key(spec), f"{method} averages weights, so every client needs the same architecture; "
                              f"got {', '.join(sorted(archs))}")
 
 
 def model_key(spec) -> str:
     return "model.clients" if spec.model.clients else "model.pool" if spec.model.pool else "model.name"
-
 
 
 class WeightAveraging(Plugin):

@@ -72,7 +72,6 @@ def run_client(view, task: ClientTask) -> ClientResult:
     return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged)
 
 
-
 def check_finite(payload) -> None:
     """Raise NonFiniteError if any floating tensor in a message holds NaN or inf."""
     if isinstance(payload, torch.Tensor):
