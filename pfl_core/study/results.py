@@ -8,8 +8,9 @@
                                the gains over the reference runs (experiment.reference)
     runs/<run>/resolved_spec.toml   the point's spec with every default filled in
     runs/<run>/clients.csv          per-client results (clients_seed<k>.csv, one per seed, with experiment.seeds)
-    INCOMPLETE                 only when the invocation failed or was interrupted: what went wrong; the
-                               files hold what finished before it
+    INCOMPLETE                 from the start until every file above is written: while it runs, and
+                               after a failure or an interrupt (then it says what went wrong; the files
+                               hold what finished before it)
 
 A ``DIR`` that exists is refused (:class:`OutputExists`) unless ``overwrite``; nothing is
 written before the spec validates (the study calls :meth:`ResultsDir.start` after it does).
@@ -17,8 +18,11 @@ written before the spec validates (the study calls :meth:`ResultsDir.start` afte
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from pfl_core.errors import PflError
@@ -63,22 +67,46 @@ class ResultsDir:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # permission denied, a read-only or full file system
             raise PflError(f"--out {self.path}: cannot create it ({exc.strerror or exc})") from None
-        # --overwrite: only the files a previous pfl-run wrote are removed, never anything else
-        for name in (COMPARISON, DIFFERENCES, INCOMPLETE):
-            (self.path / name).unlink(missing_ok=True)
-        runs = self.path / "runs"
-        if runs.is_dir():
-            for old in runs.glob("*/*"):
-                if old.name == "resolved_spec.toml" or (old.name.startswith("clients") and old.suffix == ".csv"):
-                    old.unlink()
-        (self.path / SPEC).write_text(spec_toml, encoding="utf-8")
+        with self._writing():
+            # first: a folder cut short (a full disk, a kill) is never taken for a complete one
+            self.mark_incomplete(f"pfl-run (process {os.getpid()}) is writing these results; this file is "
+                                 f"removed when they are complete")
+            # --overwrite: only the files a previous pfl-run wrote are removed, never anything else
+            for name in (COMPARISON, DIFFERENCES):
+                (self.path / name).unlink(missing_ok=True)
+            runs = self.path / "runs"
+            if runs.is_dir():
+                for old in runs.glob("*/*"):
+                    if old.name == "resolved_spec.toml" or (old.name.startswith("clients") and old.suffix == ".csv"):
+                        old.unlink()
+            (self.path / SPEC).write_text(spec_toml, encoding="utf-8")
 
     def write_point(self, name: str, resolved_toml: str) -> None:
-        folder = self._folder(name)
-        (folder / "resolved_spec.toml").write_text(resolved_toml, encoding="utf-8")
+        with self._writing():
+            (self._folder(name) / "resolved_spec.toml").write_text(resolved_toml, encoding="utf-8")
 
-    def write_results(self, results: list, compare_to: str | None) -> None:
-        """comparison.csv, differences.csv and each run's per-client CSV."""
+    def write_results(self, results: list, compare_to: str | None, complete: bool = True) -> None:
+        """comparison.csv, differences.csv and each run's per-client CSV; ``complete``: then the
+        ``INCOMPLETE`` mark is removed."""
+        with self._writing():
+            self._write_results(results, compare_to)
+            if complete:
+                (self.path / INCOMPLETE).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A full or read-only disk is the user's to fix: one line naming the folder."""
+        try:
+            yield
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            with contextlib.suppress(OSError):  # the mark is there from the start; its reason if it fits
+                self.mark_incomplete(f"stopped early: cannot write{where}: {exc.strerror or exc}")
+            raise PflError(f"--out {self.path}: cannot write{where}: {exc.strerror or exc}; the folder is marked "
+                           f"{INCOMPLETE} (free space or choose another --out; the runs are in MLflow when "
+                           f"tracked)") from None
+
+    def _write_results(self, results: list, compare_to: str | None) -> None:
         for result in results:
             folder = self._folder(result.name)
             seeded = getattr(result, "seeded", False) or len(result.runs) > 1

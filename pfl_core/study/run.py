@@ -71,14 +71,11 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     if out_dir is not None:  # the spec validated: now the directory may be created
         check_target(out_dir, overwrite)
         results_dir = ResultsDir(out_dir, overwrite)
-        try:
-            results_dir.start(dumps_spec(raw))
-            for label, ref in references:
-                results_dir.write_point(label, ref.resolved.toml())
-            for point, name in zip(points, names):
-                results_dir.write_point(name, point.resolved.toml())
-        except OSError as exc:
-            raise PflError(f"--out {out_dir}: cannot write: {exc.strerror or exc}") from None
+        results_dir.start(dumps_spec(raw))
+        for label, ref in references:
+            results_dir.write_point(label, ref.resolved.toml())
+        for point, name in zip(points, names):
+            results_dir.write_point(name, point.resolved.toml())
 
     counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points]))
     ref_results: list[PointResult] = []
@@ -113,7 +110,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             try:
                 results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
                                             f"{len(done)} run(s) that finished")
-                results_dir.write_results(done, compare_to)
+                results_dir.write_results(done, compare_to, complete=False)
                 if isinstance(exc, Interrupted):  # said in the command line's one line
                     exc.out_dir = out_dir
                 else:

@@ -21,6 +21,7 @@ working directory for a tracking server.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -68,11 +69,20 @@ def short_http(force: dict[str, str] | None = None) -> Iterator[None]:
                 os.environ[name] = value
 
 
+# A full disk, a quota reached, a read-only file system: the store (or its artifact folder)
+# cannot be written now; the journal keeps the calls until it can.
+UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
 def is_outage(exc: BaseException) -> bool:
-    """Whether a tracking call failed because the store is away or overloaded (connection
-    refused or reset, timeout, HTTP 5xx or 429, SQLite "database is locked"), not because the
-    call itself is wrong (HTTP 4xx: a bad value, an unknown run), which is raised as before."""
+    """Whether a tracking call failed because the store is away, overloaded or cannot be written
+    (connection refused or reset, timeout, HTTP 5xx or 429, SQLite "database is locked", a full
+    or read-only disk under the store or its artifacts), not because the call itself is wrong
+    (HTTP 4xx: a bad value, an unknown run), which is raised as before."""
     from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+        return True
 
     if isinstance(exc, MlflowException):
         status = exc.get_http_status_code()
@@ -96,7 +106,8 @@ def reason(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     found = re.findall(r"(\[Errno -?\d+\][^\"')]*|Connection aborted|Connection reset by peer|Remote end closed "
                        r"connection without response|Read timed out|timed out|database is locked|error code \d+|"
-                       r"too many \d+ error responses)", text)
+                       r"too many \d+ error responses|database or disk is full|attempt to write a readonly database|"
+                       r"disk I/O error)", text)
     return found[-1].strip()[:160] if found else (text[:160] or type(exc).__name__)
 
 

@@ -127,6 +127,12 @@ def _check_sqlite(uri: str, check_revision: bool = True) -> None:
         return  # MLflow creates it
     if db.is_dir():
         raise PflError(f"{where}: {db} is a directory, not a SQLite file")
+    # SQLite writes the file and, beside it, its rollback journal: both must be writable (a
+    # read-only mount, a folder without write permission); said now, not at the first write
+    for path in (db, db.parent):
+        if not os.access(path, os.W_OK):
+            raise PflError(f"{where}: {path} is read-only ({_why_read_only(path)}); make it writable, give another "
+                           f"tracking.uri / --tracking-uri, or run with --no-tracking")
     if db.stat().st_size == 0:
         return  # an empty file: MLflow creates its tables in it
     try:
@@ -155,6 +161,14 @@ def _check_sqlite(uri: str, check_revision: bool = True) -> None:
     if head and revision[0][0] != head:
         raise PflError(f"{where}: {db} has MLflow schema revision {revision[0][0]}, not this MLflow's ({head}); "
                        f"back it up, then run: mlflow db upgrade {uri}")
+
+
+def _why_read_only(path: Path) -> str:
+    """``read-only file system`` or ``permission denied``: what os.access found."""
+    try:
+        return "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def _schema_head() -> str | None:

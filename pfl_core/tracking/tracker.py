@@ -191,7 +191,14 @@ class MlflowTracker(NullTracker):
         nested = mlflow.active_run() is not None
         if not nested:
             run_name = self._unused_name(run_name)
-        run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=nested)
+        try:
+            run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=nested)
+        except Exception as exc:  # a full or read-only disk under a SQLite store: no run to keep calls for
+            if not journal.is_outage(exc):
+                raise
+            raise PflError(f"the {self._store()} {self._failing()} ({journal.reason(exc)}): run {run_name!r} "
+                           f"cannot be started; free space or fix tracking.uri / --tracking-uri, or run with "
+                           f"--no-tracking") from None
         self.run_id = run.info.run_id
         if self.study is not None:
             # MLflow's own git tags describe the checkout of the running script (pfl-run's), not
@@ -281,9 +288,9 @@ class MlflowTracker(NullTracker):
         if self._journal_pending():
             folder = self.journal.folder
             journal.UNSENT.append(folder)
-            self._say(f"the {self._store()} is still unreachable: what run {self.run_id} could "
-                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it when the server is "
-                      f"back with: pfl replay {shlex.quote(str(folder))}")
+            self._say(f"the {self._store()} {self._failing(still=True)}: what run {self.run_id} could "
+                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it {self._when_back()} "
+                      f"with: pfl replay {shlex.quote(str(folder))}")
         self.run_id = None
 
     # -- the journal of calls the store missed ----------------------------------------------------
@@ -311,6 +318,22 @@ class MlflowTracker(NullTracker):
     def _store(self) -> str:
         uri = self._uri()
         return f"tracking server {uri}" if uri.startswith(("http://", "https://")) else f"tracking store {uri}"
+
+    def _failing(self, still: bool = False) -> str:
+        """What a store that misses calls is: a server is unreachable; a SQLite file (locked,
+        on a full or read-only disk) cannot be written."""
+        if self._uri().startswith(("http://", "https://")):
+            return "is still unreachable" if still else "unreachable"
+        return "still cannot be written" if still else "cannot be written"
+
+    def _resume_hint(self) -> str:
+        if self.journal_home is not None and self.run_id is not None:  # it has a checkpoint folder
+            return f"resume it from its last checkpoint: pfl-run --resume {self.run_id}"
+        return "run it again"
+
+    def _when_back(self) -> str:
+        return ("when the server is back" if self._uri().startswith(("http://", "https://"))
+                else "when the store can be written again")
 
     def _journal_pending(self) -> bool:
         return self.journal is not None and self.journal.pending()
@@ -340,7 +363,12 @@ class MlflowTracker(NullTracker):
         if first:
             home = self.journal_home or journal.fallback_folder(self._uri(), self.run_id or record["run_id"])
             self.journal = journal.Journal(home, self._uri())
-        self.journal.add(record)
+        try:
+            self.journal.add(record)
+        except OSError as error:  # the journal's disk is full or read-only too: nothing can keep the call
+            raise PflError(f"the {self._store()} {self._failing()} ({journal.reason(exc)}) and the journal "
+                           f"{self.journal.folder} cannot be written either ({error.strerror or error}); "
+                           f"free space, then {self._resume_hint()}") from None
         self._retry_later(cost)
         if first:
             if record["op"] == "metrics" and record["run_id"] == self.run_id:
@@ -351,12 +379,12 @@ class MlflowTracker(NullTracker):
                 when = "before the first round"
             if self.run_id is None:  # logging to runs that ended (a sweep's gains): no end() to try again
                 journal.UNSENT.append(self.journal.folder)
-                self._say(f"{self._store()} unreachable ({journal.reason(exc)}): metrics of run "
-                          f"{record['run_id']} kept in {self.journal.folder}; send them when the server is back "
+                self._say(f"{self._store()} {self._failing()} ({journal.reason(exc)}): metrics of run "
+                          f"{record['run_id']} kept in {self.journal.folder}; send them {self._when_back()} "
                           f"with: pfl replay {shlex.quote(str(self.journal.folder))}")
                 return
             later = " or on --resume" if self.journal_home is not None else ""
-            self._say(f"{self._store()} unreachable {when} ({journal.reason(exc)}): metrics kept in "
+            self._say(f"{self._store()} {self._failing()} {when} ({journal.reason(exc)}): metrics kept in "
                       f"{self.journal.folder}; they are replayed when it returns{later}")
 
     def _retry_later(self, cost: float) -> None:
