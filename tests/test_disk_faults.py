@@ -248,10 +248,29 @@ def test_store_and_checkpoints_on_one_full_disk_stop_with_the_resume_command(tmp
     run_id = only_run_id(uri)
     assert code == 2
     assert "(database or disk is full) and the journal" in line and "cannot be written either" in line
-    assert line.endswith(f"free space, then resume it from its last checkpoint: pfl-run --resume {run_id}")
+    assert line.endswith(f"free space, then resume it from its last checkpoint: pfl-run --resume {run_id} "
+                         f"--tracking-uri {uri}")
     assert (volume / "ck" / run_id / "round-000001").is_dir()  # the work done is kept
     empty(volume)
     assert run_main(["--resume", run_id, "--quiet"]) == 0, capsys.readouterr().err
+    assert metric_steps(uri, run_id) == [1, 2, 3] and run_status(uri, run_id) == "FINISHED"
+
+
+def test_a_checkpoint_disk_that_fills_mid_run_keeps_the_last_checkpoint_and_says_how_to_resume(
+        tmp_path, capsys, disk, fill_at_round):
+    volume = disk("4m")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"  # the store on another disk
+    spec = spec_file(tmp_path, **{"checkpoint.dir": str(volume / "ck"), "tracking.enabled": True})
+    fill_at_round(volume, 2)  # round 1's checkpoint fits, round 2's does not
+    code = run_main([spec, "--quiet", "--tracking-uri", uri])
+    line = one_error_line(capsys.readouterr().err)
+    run_id = only_run_id(uri)
+    assert code == 2 and "No space left on device" in line
+    assert line.endswith(f"round 1's checkpoint is kept: free space, then pfl-run --resume {run_id} "
+                         f"--tracking-uri {uri}")
+    assert run_status(uri, run_id) == "FAILED" and metric_steps(uri, run_id) == [1, 2]
+    empty(volume)
+    assert run_main(["--resume", run_id, "--tracking-uri", uri, "--quiet"]) == 0, capsys.readouterr().err
     assert metric_steps(uri, run_id) == [1, 2, 3] and run_status(uri, run_id) == "FINISHED"
 
 

@@ -27,6 +27,7 @@ import hashlib
 import os
 import random
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -199,12 +200,14 @@ def resume_command(engine) -> str | None:
     checkpointer = getattr(engine, "checkpointer", None)
     if checkpointer is None or checkpointer.folder is None or not checkpoints(checkpointer.folder):
         return None
-    import shlex
+    return resume_line(checkpointer.folder, engine.tracker.run_id, checkpointer.tracking_uri)
 
-    run_id = engine.tracker.run_id
-    if run_id and checkpointer.tracking_uri:
-        return f"pfl-run --resume {run_id} --tracking-uri {shlex.quote(checkpointer.tracking_uri)}"
-    return f"pfl-run --resume {shlex.quote(str(checkpointer.folder.resolve()))}"
+
+def resume_line(folder: Path, run_id: str | None = None, tracking_uri: str | None = None) -> str:
+    """``pfl-run --resume RUN_ID --tracking-uri URI`` for a tracked run, else by its folder."""
+    if run_id and tracking_uri:
+        return f"pfl-run --resume {run_id} --tracking-uri {shlex.quote(tracking_uri)}"
+    return f"pfl-run --resume {shlex.quote(str(Path(folder).resolve()))}"
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -336,9 +339,13 @@ class Checkpointer:
             _fsync_dir(self.folder)
         except (TypeError, OSError) as exc:  # a value stateio cannot hold, a full or read-only disk
             shutil.rmtree(tmp, ignore_errors=True)
+            if self.written_round:  # the work up to it is kept
+                remedy = (f"round {self.written_round}'s checkpoint is kept: free space, then "
+                          f"{resume_command(self.engine)}")
+            else:
+                remedy = "fix checkpoint.dir, or set checkpoint.enabled = false"
             raise PflError(f"checkpoint of round {round} cannot be written to {self.folder}: "
-                           f"{' '.join(str(exc).split())[:200]}; fix checkpoint.dir, or set "
-                           f"checkpoint.enabled = false") from None
+                           f"{' '.join(str(exc).split())[:200]}; {remedy}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

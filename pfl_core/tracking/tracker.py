@@ -327,8 +327,10 @@ class MlflowTracker(NullTracker):
         return "still cannot be written" if still else "cannot be written"
 
     def _resume_hint(self) -> str:
-        if self.journal_home is not None and self.run_id is not None:  # it has a checkpoint folder
-            return f"resume it from its last checkpoint: pfl-run --resume {self.run_id}"
+        if self.journal_home is not None:  # it has a checkpoint folder
+            from pfl_core.state.checkpoint import resume_line  # imports torch: only when needed
+
+            return f"resume it from its last checkpoint: {resume_line(self.journal_home.parent, self.run_id, self._uri())}"
         return "run it again"
 
     def _when_back(self) -> str:
