@@ -56,7 +56,7 @@ def _point(name, seeds, accs):
                                            "comm_up_bytes": stats.summarize([0.0] * len(accs))})
 
 
-def test_comparison_marks_only_differences_whose_interval_excludes_zero(capsys):
+def test_comparison_marks_only_significant_differences(capsys):
     import sys
 
     ref = _point("local", [0, 1, 2], [0.80, 0.85, 0.90])
@@ -70,9 +70,48 @@ def test_comparison_marks_only_differences_whose_interval_excludes_zero(capsys):
     print_comparison([ref, better, noisy], "local", sys.stdout)
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.strip().startswith("steady"))
-    assert "+0.0200 [+0.0200, +0.0200] *" in line
+    assert "+0.0200 [+0.0200, +0.0200] p=<0.001 *" in line  # equal gains on every seed: p = 0
     line = next(l for l in out.splitlines() if l.strip().startswith("noisy"))
     assert "*" not in line
+
+
+def test_the_paired_p_is_the_t_test_of_the_differences_by_hand():
+    # differences 0.01, 0.03, 0.02: mean 0.02, std 0.01, t = 0.02 / (0.01 / sqrt 3) = sqrt 12;
+    # with 2 degrees of freedom the t tail is closed-form: P(T > t) = (1 - t / sqrt(t^2 + 2)) / 2
+    d = stats.paired_difference([0.51, 0.53, 0.52], [0.50, 0.50, 0.50])
+    t = math.sqrt(12)
+    assert d.p == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-9) and d.p_adjusted == d.p
+    assert stats.paired_difference([0.49, 0.47, 0.48], [0.50, 0.50, 0.50]).p == pytest.approx(d.p)  # two-sided
+    assert math.isnan(stats.paired_difference([0.5], [0.4]).p)  # one seed: no test
+
+
+def test_holm_adjusts_by_hand():
+    def with_p(p):
+        return stats.Summary(0.1, 0.1, 0.1, 3, p=p, p_adjusted=p)
+
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1 = 0.03, 0.06, 0.04; made monotone: 0.03, 0.06, 0.06
+    adjusted = stats.adjust([with_p(0.01), with_p(0.04), with_p(0.03), with_p(math.nan)], "holm")
+    assert [d.p_adjusted for d in adjusted[:3]] == pytest.approx([0.03, 0.06, 0.06])
+    assert math.isnan(adjusted[3].p_adjusted) and [d.p for d in adjusted[:3]] == [0.01, 0.04, 0.03]
+    assert [d.p_adjusted for d in stats.adjust([with_p(0.01), with_p(0.04)], "none")] == [0.01, 0.04]
+    assert [d.significant for d in adjusted] == [True, False, False, False]
+
+
+def test_a_difference_significant_alone_is_not_once_corrected_for_the_table(capsys):
+    import sys
+
+    ref = _point("local", [0, 1, 2], [0.80, 0.85, 0.90])
+    # +0.0226, +0.0326, +0.0426: t = 0.0326 / (0.01 / sqrt 3) = 5.646, p = 0.030 alone
+    a = _point("a", [0, 1, 2], [0.8226, 0.8826, 0.9426])
+    b = _point("b", [0, 1, 2], [0.8226, 0.8826, 0.9426])
+    print_comparison([ref, a, b], "local", sys.stdout, correction="none")
+    raw = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith(("a ", "b "))]
+    assert len(raw) == 2 and all("p=0.030 *" in line for line in raw)
+    print_comparison([ref, a, b], "local", sys.stdout)  # Holm over the two: 2 x 0.030
+    out = capsys.readouterr().out
+    held = [line for line in out.splitlines() if line.strip().startswith(("a ", "b "))]
+    assert all("p=0.060" in line and "*" not in line for line in held)
+    assert "p adjusted by Holm's method" in out
 
 
 # -- the spec key ----------------------------------------------------------------------------
@@ -146,3 +185,29 @@ def test_parent_run_holds_mean_std_ci95_and_the_seed_table_children_are_nested(t
     path = client.download_artifacts(point.run_id, "results/seeds.csv", str(tmp_path))
     lines = open(path).read().splitlines()
     assert lines[0].startswith("seed,") and len(lines) == 4
+
+
+def test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees(tmp_path):
+    import csv
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1, 2], "tracking.enabled": True})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local", "fedprox"]}
+    results = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out_dir=str(tmp_path / "o"),
+                            out=open(tmp_path / "out.txt", "w"))
+    mlflow.set_tracking_uri(None)
+    client = MlflowClient(tracking_uri=uri)
+    by_name = {r.name: r for r in results}
+    rows = {(r["run"], r["metric"]): r for r in csv.DictReader(open(tmp_path / "o" / "differences.csv"))}
+    family = [stats.paired_difference(by_name[n].values("acc_mean"), by_name["fedavg"].values("acc_mean"))
+              for n in ("local", "fedprox")]
+    holm = stats.adjust(family, "holm")
+    for name, expected in zip(("local", "fedprox"), holm):
+        m = client.get_run(by_name[name].run_id).data.metrics
+        assert m["delta_acc_mean"] == pytest.approx(expected.mean)
+        assert m["delta_acc_mean_ci95"] == pytest.approx(expected.ci95)
+        if not math.isnan(expected.p):
+            assert m["delta_acc_mean_p_adjusted"] == pytest.approx(expected.p_adjusted)
+            assert float(rows[(name, "acc_mean")]["p_adjusted"]) == pytest.approx(expected.p_adjusted, abs=1e-5)
+        assert float(rows[(name, "acc_mean")]["mean"]) == pytest.approx(expected.mean, abs=1e-5)
+    assert "delta_acc_mean" not in client.get_run(by_name["fedavg"].run_id).data.metrics  # the reference

@@ -205,6 +205,16 @@ class StateSection:
 
 
 @define
+class ReportSection:
+    # p-values of a table of several paired comparisons are adjusted for multiple comparisons
+    # (Holm's step-down method; "none": raw p); a * marks an adjusted p below 0.05
+    correction: str = field(default="holm", validator=one_of("holm", "none"))
+    # what "the same budget" means when methods are compared: passes over the private data
+    # ("passes", budget.private_epochs) or optimiser steps summed over a client's models ("steps")
+    budget: str = field(default="passes", validator=one_of("passes", "steps"))
+
+
+@define
 class Spec:
     data: DataSection
     partition: PartitionSection
@@ -224,6 +234,7 @@ class Spec:
     budget: dict[str, Any] = field(factory=dict)
     checkpoint: CheckpointSection = field(factory=CheckpointSection)
     state: StateSection = field(factory=StateSection)
+    report: ReportSection = field(factory=ReportSection)
 
     def __attrs_post_init__(self):
         if self.experiment.coldstart_clients >= self.partition.num_clients:

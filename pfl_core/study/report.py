@@ -3,9 +3,12 @@ the comparison table with paired differences, the dry run's report and where the
 
 from __future__ import annotations
 
+import math
+
 from pfl_core.engine import RunResult
+from pfl_core.study.compare import GAINS, comparisons
 from pfl_core.study.points import Point, PointResult, point_builds
-from pfl_core.study.stats import Summary, paired_difference
+from pfl_core.study.stats import Summary
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds
 
 
@@ -129,17 +132,19 @@ def print_client_table(result: RunResult, name: str, out) -> None:
 COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
 
 
-def print_comparison(results: list[PointResult], reference: str, out) -> None:
+def print_comparison(results: list[PointResult], reference: str, out, correction: str = "holm") -> None:
     """Every run as mean ± ci95, its collaboration gain over the reference runs (when
     ``experiment.reference`` is set), and its paired difference from ``reference`` over the
-    same seeds; differences whose 95% interval excludes 0 are marked *."""
+    same seeds with its p adjusted for the table's other comparisons of that metric
+    (:mod:`pfl_core.study.compare`); an adjusted p below 0.05 is marked *."""
     ref = next((r for r in results if r.name == reference), results[0])
     n = len(ref.runs)
     title = "same seed, same partition" if n == 1 else f"{n} seeds, mean ± 95% interval"
     print(f"\n== comparison ({title}) ==", file=out)
     keys = [k for k in COMPARED if any(k in r.summary for r in results)]
-    gain_keys = [k for k in ("gain_vs_best_reference", "gain_vs_local") if any(k in r.summary for r in results)]
+    gain_keys = [k for k in GAINS if any(k in r.summary for r in results)]
     diff_keys = keys if n > 1 else []
+    differences = comparisons(results, ref, diff_keys, correction)
     header = ["run", *keys, "comm_up_bytes", *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
     rows = []
     for r in results:
@@ -148,11 +153,11 @@ def print_comparison(results: list[PointResult], reference: str, out) -> None:
             *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
             human_bytes(r.summary["comm_up_bytes"].mean) if "comm_up_bytes" in r.summary else "-",
             *[_interval(r.summary[k]) if k in r.summary else "-" for k in gain_keys],
-            *[_diff_cell(r, ref, k) for k in diff_keys],
+            *[_interval(differences[(r.name, k)]) if (r.name, k) in differences else "-" for k in diff_keys],
         ])
     print_table(header, rows, out)
     if n > 1:
-        print("(Δ: paired difference over the same seeds with its 95% interval; * = the interval excludes 0)",
+        print(f"(Δ: paired difference over the same seeds with its 95% interval and p; {P_NOTE[correction]})",
               file=out)
     if gain_keys:
         print("(gain_vs_best_reference: acc_mean - max(reference runs) per seed, paired; gain_vs_local likewise)",
@@ -161,18 +166,16 @@ def print_comparison(results: list[PointResult], reference: str, out) -> None:
         print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
 
 
+P_NOTE = {"holm": "p adjusted by Holm's method over the table's comparisons of each metric; * = adjusted p < 0.05",
+          "none": "p not adjusted for multiple comparisons (report.correction = \"none\"); * = p < 0.05"}
+
+
 def _interval(d: Summary) -> str:
     if d.n < 2:
         return f"{d.mean:+.4f}"
-    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"
+    p = "" if math.isnan(d.p_adjusted) else f" p={_p(d.p_adjusted)}"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{p}{' *' if d.significant else ''}"
 
 
-def _diff_cell(result: PointResult, ref: PointResult, key: str) -> str:
-    if result is ref:
-        return "-"
-    common = [s for s in result.seeds if s in ref.seeds]
-    if len(common) < 2 or key not in result.summary or key not in ref.summary:
-        return "-"
-    mine = dict(zip(result.seeds, result.values(key)))
-    theirs = dict(zip(ref.seeds, ref.values(key)))
-    return _interval(paired_difference([mine[s] for s in common], [theirs[s] for s in common]))
+def _p(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"

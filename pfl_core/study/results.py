@@ -27,7 +27,8 @@ from pathlib import Path
 
 from pfl_core.errors import PflError
 from pfl_core.spec import dump_toml
-from pfl_core.study.stats import Summary, paired_difference
+from pfl_core.study.compare import GAINS, comparisons
+from pfl_core.study.stats import Summary
 from pfl_core.tracking.tables import table_csv
 
 COMPARISON = "comparison.csv"
@@ -85,11 +86,12 @@ class ResultsDir:
         with self._writing():
             (self._folder(name) / "resolved_spec.toml").write_text(resolved_toml, encoding="utf-8")
 
-    def write_results(self, results: list, compare_to: str | None, complete: bool = True) -> None:
+    def write_results(self, results: list, compare_to: str | None, complete: bool = True,
+                      correction: str = "holm") -> None:
         """comparison.csv, differences.csv and each run's per-client CSV; ``complete``: then the
         ``INCOMPLETE`` mark is removed."""
         with self._writing():
-            self._write_results(results, compare_to)
+            self._write_results(results, compare_to, correction)
             if complete:
                 (self.path / INCOMPLETE).unlink(missing_ok=True)
 
@@ -106,7 +108,7 @@ class ResultsDir:
                            f"{INCOMPLETE} (free space or choose another --out; the runs are in MLflow when "
                            f"tracked)") from None
 
-    def _write_results(self, results: list, compare_to: str | None) -> None:
+    def _write_results(self, results: list, compare_to: str | None, correction: str) -> None:
         for result in results:
             folder = self._folder(result.name)
             seeded = getattr(result, "seeded", False) or len(result.runs) > 1
@@ -117,7 +119,7 @@ class ResultsDir:
                     (folder / filename).write_text(
                         table_csv(header, [[r.get(k, "") for k in header] for r in run.client_rows]), encoding="utf-8")
         (self.path / COMPARISON).write_text(comparison_csv(results), encoding="utf-8")
-        (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to), encoding="utf-8")
+        (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to, correction), encoding="utf-8")
 
     def mark_incomplete(self, reason: str) -> None:
         (self.path / INCOMPLETE).write_text(reason + "\n", encoding="utf-8")
@@ -145,38 +147,28 @@ def comparison_csv(results: list) -> str:
     return table_csv(header, rows)
 
 
-DIFF_HEADER = ["run", "vs", "metric", "n", "mean", "ci95", "low", "high", "excludes_zero"]
+DIFF_HEADER = ["run", "vs", "metric", "n", "mean", "ci95", "low", "high", "p", "p_adjusted", "significant"]
 
 
 def _diff_row(run: str, vs: str, metric: str, d: Summary) -> list:
-    return [run, vs, metric, d.n, _num(d.mean), _num(d.ci95), _num(d.low), _num(d.high),
-            "" if math.isnan(d.ci95) else str(bool(d.excludes_zero)).lower()]
+    return [run, vs, metric, d.n, _num(d.mean), _num(d.ci95), _num(d.low), _num(d.high), _num(d.p),
+            _num(d.p_adjusted), "" if math.isnan(d.p_adjusted) else str(d.significant).lower()]
 
 
-def differences(result, ref, metric: str) -> Summary | None:
-    common = [s for s in result.seeds if s in ref.seeds]
-    if not common or metric not in result.summary or metric not in ref.summary:
-        return None
-    mine = dict(zip(result.seeds, result.values(metric)))
-    theirs = dict(zip(ref.seeds, ref.values(metric)))
-    return paired_difference([mine[s] for s in common], [theirs[s] for s in common])
-
-
-def differences_csv(results: list, compare_to: str | None) -> str:
+def differences_csv(results: list, compare_to: str | None, correction: str = "holm") -> str:
+    """Every run against the compared-to run on every final metric (p adjusted per metric over
+    the runs, as in the printed table), then the collaboration gains."""
     rows = []
     if results:
         ref = next((r for r in results if r.name == compare_to), results[0])
-        keys = sorted({k for r in results for k in r.summary if not k.startswith("gain_vs_")})
+        keys = sorted({k for r in results for k in r.summary if k not in GAINS})
+        found = comparisons(results, ref, keys, correction)
         for r in results:
-            if r is ref:
-                continue
             for key in keys:
-                d = differences(r, ref, key)
-                if d is not None:
-                    rows.append(_diff_row(r.name, ref.name, key, d))
+                if (r.name, key) in found:
+                    rows.append(_diff_row(r.name, ref.name, key, found[(r.name, key)]))
         for r in results:
-            for key, vs in (("gain_vs_best_reference", "best reference (acc_mean)"),
-                            ("gain_vs_local", "local (acc_mean)")):
+            for key, vs in zip(GAINS, ("best reference (acc_mean)", "local (acc_mean)")):
                 if key in r.summary:
                     rows.append(_diff_row(r.name, vs, key, r.summary[key]))
     return table_csv(DIFF_HEADER, rows)

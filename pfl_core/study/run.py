@@ -21,7 +21,7 @@ from pfl_core.study.points import (
 )
 from pfl_core.study.report import dry_run_report, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
-from pfl_core.study.seeds import RunCounter, log_gains, run_point
+from pfl_core.study.seeds import RunCounter, log_differences, log_gains, run_point
 from pfl_core.tracking.store_check import check_store
 from pfl_core.tracking.study import begin_study, studied
 
@@ -67,6 +67,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
                 tracking_uri, *study_params(points), parent=top_level > 1)
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
+    correction = points[0].resolved.spec.report.correction
     results_dir = None
     if out_dir is not None:  # the spec validated: now the directory may be created
         check_target(out_dir, overwrite)
@@ -102,7 +103,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         if ref_results:
             log_gains(points[0], shown, ref_results, tracking_uri)
         if len(shown) > 1:
-            print_comparison(shown, compare_to, out)
+            log_differences(points[0], shown, compare_to, tracking_uri)
+            print_comparison(shown, compare_to, out, correction)
     except BaseException as exc:
         if results_dir is not None:
             done = shown or [*finished(), *partial]
@@ -110,7 +112,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             try:
                 results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
                                             f"{len(done)} run(s) that finished")
-                results_dir.write_results(done, compare_to, complete=False)
+                results_dir.write_results(done, compare_to, complete=False, correction=correction)
                 if isinstance(exc, Interrupted):  # said in the command line's one line
                     exc.out_dir = out_dir
                 else:
@@ -120,7 +122,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 print(f"could not write the partial results to {out_dir}: {write_error}", file=sys.stderr)
         raise
     if results_dir is not None:
-        results_dir.write_results(shown, compare_to)
+        results_dir.write_results(shown, compare_to, correction=correction)
     if not quiet:  # --quiet: the summaries and the comparison only
         print_locations(points[0], out_dir, out)
     return shown

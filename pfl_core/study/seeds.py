@@ -8,8 +8,9 @@ import math
 import attrs
 
 from pfl_core.engine import Engine, RunResult
+from pfl_core.study.compare import GAINS, adjust_gains, comparisons, delta_metrics
 from pfl_core.study.points import Point, PointResult, _is_algorithm_key
-from pfl_core.study.report import print_run_line
+from pfl_core.study.report import COMPARED, print_run_line
 from pfl_core.study.stats import Summary, paired_difference, summarize
 from pfl_core.tracking.tables import table_csv
 from pfl_core.tracking.tracker import flatten, log_accuracy_distribution, make_tracker, run_status
@@ -47,19 +48,36 @@ def gains(result: PointResult, references: list[PointResult]) -> dict[str, Summa
 
 def log_gains(point: Point, results: list[PointResult], references: list[PointResult], tracking_uri) -> None:
     """Each run's collaboration gain over the reference runs of its group, logged to its
-    (parent) run as ``gain_vs_local``, ``gain_vs_best_reference`` and their ``_ci95``."""
+    (parent) run as ``gain_vs_local``, ``gain_vs_best_reference``, their ``_ci95`` and
+    ``_p_adjusted`` (adjusted over the runs: :mod:`pfl_core.study.compare`)."""
     tracker = make_tracker(point.resolved.spec.tracking, tracking_uri)
     for result in results:
         mine = [r for r in references if r.group == result.group]
         result.summary.update(gains(result, mine))
+    adjust_gains(results, point.resolved.spec.report.correction)
+    for result in results:
         metrics = {}
-        for key in ("gain_vs_local", "gain_vs_best_reference"):
+        for key in GAINS:
             if key in result.summary:
                 s = result.summary[key]
-                metrics[key] = s.mean
-                if not math.isnan(s.ci95):
-                    metrics[f"{key}_ci95"] = s.ci95
+                values = {key: s.mean, f"{key}_ci95": s.ci95, f"{key}_p_adjusted": s.p_adjusted}
+                metrics.update({k: v for k, v in values.items() if not math.isnan(v)})
         tracker.log_metrics_to(result.run_id, metrics)
+
+
+def log_differences(point: Point, results: list[PointResult], compare_to: str, tracking_uri) -> None:
+    """Each point's paired differences from the compared-to run on the table's metrics, logged
+    to its (parent) run: ``delta_<metric>``, ``_ci95``, ``_p``, ``_p_adjusted``."""
+    ref = next((r for r in results if r.name == compare_to), results[0])
+    if len(ref.runs) < 2:
+        return  # one seed: no interval, no test
+    spec = point.resolved.spec
+    found = comparisons(results, ref, [k for k in COMPARED if k in ref.summary], spec.report.correction)
+    tracker = make_tracker(spec.tracking, tracking_uri)
+    for result in results:
+        metrics = delta_metrics(found, result.name)
+        if metrics:
+            tracker.log_metrics_to(result.run_id, metrics)
 
 
 def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out,
