@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -229,7 +230,7 @@ def metric_histories(client, run_id: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def compare_metrics(got: dict, want: dict, ignored: set) -> str:
-    keys = sorted(set(want) | set(got) - ignored)
+    keys = sorted((set(want) | set(got)) - ignored)
     differ = [k for k in keys if got.get(k) != want.get(k)]
     if not differ:
         return "equal"
@@ -343,8 +344,18 @@ def part_concurrency(workdir: Path, processes: int, trials: int, signal_trials: 
 # -- report ----------------------------------------------------------------------------------------
 
 
+def source_fingerprint(package: Path) -> str:
+    """A hash of pfl_core's and plugins' .py files: the measured tree may be edited while this runs."""
+    digest = hashlib.sha256()
+    for root in (package, package.parent / "plugins"):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(package.parent)).encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def print_figures(figures: dict) -> None:
-    print(f"pfl {figures['pfl']} at {figures['pfl_core']}")
+    print(f"pfl {figures['pfl']} at {figures['pfl_core']}; source {figures['source at start']} at the start, "
+          f"{figures['source at end']} at the end{'' if figures['source at start'] == figures['source at end'] else ' (CHANGED DURING THE RUN: figures are mixed)'}")
     if "fuzz" in figures:
         fuzz = figures["fuzz"]
         print(f"\n== fuzz: {fuzz['cases']} cases ({len(NUMERIC_KEYS)} keys x {len(VALUES)} values)")
@@ -393,7 +404,7 @@ def main() -> int:
     import pfl_core
 
     figures = {"pfl": getattr(pfl_core, "__version__", "?"), "pfl_core": str(Path(pfl_core.__file__).parent),
-               "workdir": str(workdir)}
+               "workdir": str(workdir), "source at start": source_fingerprint(Path(pfl_core.__file__).parent)}
     parts = ("fuzz", "kill", "concurrency") if args.part == "all" else (args.part,)
     for part in parts:
         started = time.perf_counter()
@@ -405,6 +416,7 @@ def main() -> int:
             figures["concurrency"] = part_concurrency(workdir, args.processes, args.trials, args.signal_trials,
                                                       args.seed)
         print(f"[{part} took {time.perf_counter() - started:.0f} s]", file=sys.stderr)
+    figures["source at end"] = source_fingerprint(Path(pfl_core.__file__).parent)
     print_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))

@@ -35,6 +35,11 @@ class NonFiniteError(PflError):
     """Training diverged: a loss or a sent parameter became NaN or infinite."""
 
 
+class Stopped(Exception):
+    """A run stopped on purpose before its last round, not a failure: a tuning trial the
+    pruner ended (its MLflow run is KILLED, not FAILED)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT (Ctrl-C) or SIGTERM stopped the run. The engine and the study fill in where:
     ``round`` (the round in progress), ``run_name``, ``run_id``, ``tracking_uri`` and

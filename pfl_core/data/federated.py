@@ -7,6 +7,8 @@ pool sample belongs to at most one client or to the public set U.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Optional, Union
 
 import attrs
@@ -471,3 +473,22 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
         partitioner=partitioner,
         dataset=dataset,
     )
+
+
+class DataCache:
+    """Federated data built once per (data, partition, public set, seed, device) and handed out
+    as deep copies: the trials of a tuning study differ in training settings only, so they pay
+    the loading and partitioning once, and a trial that changes its data (a plugin flipping
+    labels) cannot reach the next one."""
+
+    def __init__(self):
+        self._built: dict[str, FederatedData] = {}
+
+    def get(self, spec, device: Union[str, torch.device] = "cpu") -> FederatedData:
+        from pfl_core.spec import unstructure
+
+        key = repr([unstructure(spec.data), unstructure(spec.partition), unstructure(spec.public),
+                    spec.experiment.seed, str(device)])
+        if key not in self._built:
+            self._built[key] = build_federated_data(spec, device=device)
+        return copy.deepcopy(self._built[key])

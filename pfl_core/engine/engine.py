@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pfl_core import registry
-from pfl_core.data.federated import build_federated_data
+from pfl_core.data.federated import DataCache, build_federated_data
 from pfl_core.errors import Interrupted, NonFiniteError, PflError, SpecError
 from pfl_core.execution.planner import make_executor, plan
 from pfl_core.payload import nbytes
@@ -110,8 +110,14 @@ class RunResult:
 
 class Engine:
     def __init__(self, resolved: Resolved, tracker=None, progress: bool = True, run_name: str | None = None,
-                 progress_label: str | None = None):
+                 progress_label: str | None = None, on_evaluated=None, data_cache: DataCache | None = None):
+        """``on_evaluated(round, metrics)``: called after each evaluation round is logged (a
+        tuning trial reports to its pruner there, and may stop the run by raising
+        :class:`~pfl_core.errors.Stopped`). ``data_cache``: federated data built once and
+        handed out as copies (the trials of a tuning study)."""
         self.resolved = resolved
+        self.on_evaluated = on_evaluated
+        self.data_cache = data_cache
         self.spec = resolved.spec
         self.tracker = tracker or NullTracker()
         self.show_progress = progress and self.spec.tracking.progress
@@ -133,7 +139,7 @@ class Engine:
         executor = self._make_executor(device) if spec.executor.name != "auto" else None
         status_line(f"{self.progress_label}: loading {spec.data.name} and partitioning it "
                     f"({spec.partition.scheme}, {spec.partition.num_clients} clients) ...", self.show_progress)
-        data = build_federated_data(spec, device=device)
+        data = self.data_cache.get(spec, device) if self.data_cache else build_federated_data(spec, device=device)
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
@@ -331,6 +337,8 @@ class Engine:
                 self.tracker.log_metrics(metrics, step=round)
                 progress.update(round, metrics if "acc_mean" in metrics else None)
                 self.checkpointer.after_round(ctx, round, history, rows)
+                if self.on_evaluated is not None and history and history[-1]["round"] == round:
+                    self.on_evaluated(round, metrics)
         except Interrupted:  # between rounds: the completed round's checkpoint, if not yet written
             self.checkpointer.on_interrupt(ctx, history, rows)
             raise

@@ -204,6 +204,34 @@ class StateSection:
     spill_dir: str = ""
 
 
+def _validation_metric(_instance, attribute, value):
+    if not value.startswith("val_"):
+        raise FieldError(attribute.name, f"{value!r} is scored on the test split; tune on a validation metric "
+                                         f"(val_{value.removeprefix('val_') or 'acc_mean'}, with "
+                                         f"partition.val_fraction > 0): the test split is for the final runs only")
+
+
+@define
+class TuneSection:
+    """Hyperparameter tuning of each sweep point by Optuna (pfl_core/study/tune.py)."""
+
+    trials: int = field(default=20, validator=[at_least(1), at_most(10_000)])
+    # the objective: a validation metric, at the last evaluation ("final") or its best round
+    metric: str = field(default="val_acc_mean", validator=_validation_metric)
+    objective: str = field(default="final", validator=one_of("final", "best"))
+    direction: str = field(default="maximize", validator=one_of("maximize", "minimize"))
+    sampler: str = field(default="tpe", validator=one_of("tpe", "random", "grid"))
+    pruner: str = field(default="median", validator=one_of("median", "none"))
+    # the seeds a trial runs on (its objective: their mean); default: one seed that is not
+    # among experiment.seeds, so choosing and the final evaluation do not share noise
+    seeds: Optional[list[int]] = field(default=None, validator=_valid_seeds)
+    parallel: int = field(default=1, validator=[at_least(1), at_most(64)])  # trials at once
+    # dotted spec key -> { low, high [, log, step] } or { choices = [...] }: every point's space
+    space: dict[str, Any] = field(factory=dict)
+    # algorithm name -> its own keys' space, added to `space` for that method's points
+    method: dict[str, dict[str, Any]] = field(factory=dict)
+
+
 @define
 class ReportSection:
     # p-values of a table of several paired comparisons are adjusted for multiple comparisons
@@ -235,8 +263,12 @@ class Spec:
     checkpoint: CheckpointSection = field(factory=CheckpointSection)
     state: StateSection = field(factory=StateSection)
     report: ReportSection = field(factory=ReportSection)
+    tune: Optional[TuneSection] = None
 
     def __attrs_post_init__(self):
+        if self.tune is not None and self.partition.val_fraction == 0:
+            raise FieldError("partition.val_fraction", "is 0, but [tune] chooses hyperparameters on the validation "
+                                                       "split; give it a share of each client's data, e.g. 0.1")
         if self.experiment.coldstart_clients >= self.partition.num_clients:
             raise FieldError(
                 "experiment.coldstart_clients",

@@ -7,6 +7,7 @@
     differences.csv            paired differences over common seeds: each run vs the compared-to run, and
                                the gains over the reference runs (experiment.reference)
     runs/<run>/resolved_spec.toml   the point's spec with every default filled in
+    runs/<run>/tuned_spec.toml      with [tune]: the point at its best configuration (runs it alone)
     runs/<run>/clients.csv          per-client results (clients_seed<k>.csv, one per seed, with experiment.seeds)
     INCOMPLETE                 from the start until every file above is written: while it runs, and
                                after a failure or an interrupt (then it says what went wrong; the files
@@ -78,13 +79,19 @@ class ResultsDir:
             runs = self.path / "runs"
             if runs.is_dir():
                 for old in runs.glob("*/*"):
-                    if old.name == "resolved_spec.toml" or (old.name.startswith("clients") and old.suffix == ".csv"):
+                    if old.name in ("resolved_spec.toml", "tuned_spec.toml") or (old.name.startswith("clients")
+                                                                                  and old.suffix == ".csv"):
                         old.unlink()
             (self.path / SPEC).write_text(spec_toml, encoding="utf-8")
 
     def write_point(self, name: str, resolved_toml: str) -> None:
         with self._writing():
             (self._folder(name) / "resolved_spec.toml").write_text(resolved_toml, encoding="utf-8")
+
+    def write_tuned(self, name: str, spec_toml: str) -> None:
+        """The point's best configuration as a spec that runs its final runs alone."""
+        with self._writing():
+            (self._folder(name) / "tuned_spec.toml").write_text(spec_toml, encoding="utf-8")
 
     def write_results(self, results: list, compare_to: str | None, complete: bool = True,
                       correction: str = "holm") -> None:

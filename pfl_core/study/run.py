@@ -8,6 +8,7 @@ import sys
 import attrs
 
 from pfl_core.errors import Interrupted, PflError
+from pfl_core.data.federated import DataCache
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
     PointResult,
@@ -22,6 +23,7 @@ from pfl_core.study.points import (
 from pfl_core.study.report import dry_run_report, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
 from pfl_core.study.seeds import RunCounter, log_differences, log_gains, run_point
+from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
 from pfl_core.tracking.store_check import check_store
 from pfl_core.tracking.study import begin_study, studied
 
@@ -30,11 +32,13 @@ from pfl_core.tracking.study import begin_study, studied
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
                   no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
-                  clients: bool = False, yes: bool = False) -> list[PointResult]:
+                  clients: bool = False, yes: bool = False, resume_tuning: bool = False) -> list[PointResult]:
     """Run every point of the spec. ``out_dir``: also write the results there
     (:mod:`pfl_core.study.results`), after the spec validated; a failure part-way still writes what
     finished (and an ``INCOMPLETE`` file) before it propagates. A study of more than
-    ``LARGE_STUDY`` runs needs ``yes`` (a dry run of one says its size first)."""
+    ``LARGE_STUDY`` runs needs ``yes`` (a dry run of one says its size first). With ``[tune]``
+    each point is first tuned (:mod:`pfl_core.study.tune`; ``resume_tuning``: continue the newest
+    tuning of this spec), then runs at its best configuration."""
 
     out = out or sys.stdout
     if no_tracking:
@@ -46,8 +50,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         print(f"note: {note}", file=sys.stderr)
     names = run_names(points)
     check_compare_to(points, names)
+    plans = plan_tuning(points, names)  # [tune]: each point's space, checked before any data loads
     references = reference_points(points)
-    check_size(points, references, dry_run, yes)
+    check_size(points, references, dry_run, yes, plans)
     stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
     for section in stores.values():  # a store that cannot be used is said now, before any training
         check_store(section, tracking_uri, create=not dry_run)  # a dry run creates nothing
@@ -57,6 +62,11 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         dry_run_report(points, out)
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
+        if plans:
+            for plan in plans:
+                print(f"# tuning {plan.name}: {plan.point.resolved.spec.tune.trials} trials on seeds {plan.seeds} over "
+                      f"{', '.join(d.key for d in plan.space)}, then its best configuration on its seeds", file=out)
+            print(f"# {describe(plans)}", file=out)
         return []
     check_every_point_builds([*points, *(ref for _, ref in references)])
     # Which reference run each point is (None: its own runs), decided once.
@@ -89,6 +99,17 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         return [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
 
     try:
+        if plans:  # each point at its own best configuration, found on the validation split
+            cache = DataCache()
+            for i, plan in enumerate(plans):
+                tuned = tune_point(plan, tracking_uri, quiet, resume_tuning, cache)
+                points[i] = tuned.point
+                print(f"-- {plan.name}: tuned in {tuned.complete + tuned.pruned} trials ({tuned.pruned} pruned): "
+                      f"{values_text(tuned.values)} "
+                      f"({plan.point.resolved.spec.tune.metric} {tuned.objective:.4f})", file=out)
+                if results_dir is not None:
+                    results_dir.write_tuned(names[i], tuned_spec_toml(tuned))
+            del cache
         for label, ref in references:
             ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter))
             print_point(ref_results[-1], out, clients)
@@ -104,6 +125,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             log_gains(points[0], shown, ref_results, tracking_uri)
         if len(shown) > 1:
             log_differences(points[0], shown, compare_to, tracking_uri)
+            if plans:
+                print(f"\n{describe(plans)}", file=out)
             print_comparison(shown, compare_to, out, correction)
     except BaseException as exc:
         if results_dir is not None:
@@ -131,15 +154,17 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
 LARGE_STUDY = 100  # runs (sweep points x seeds, and the reference runs) a study starts without --yes
 
 
-def check_size(points: list, references: list, dry_run: bool, yes: bool) -> None:
+def check_size(points: list, references: list, dry_run: bool, yes: bool, plans: list | None = None) -> None:
     """A study larger than ``LARGE_STUDY`` runs is refused without ``--yes`` (a typo in a sweep
     axis multiplies it); a dry run of one says its size on stderr before it builds every point."""
     seeds = max(len(p.seeds or [0]) for p in points)
     runs = sum(len(p.seeds or [0]) for p in [*points, *(ref for _, ref in references)])
-    if runs <= LARGE_STUDY:
+    trials = sum(p.point.resolved.spec.tune.trials * len(p.seeds) for p in plans or [])
+    if runs + trials <= LARGE_STUDY:
         return
     size = (f"{len(points)} sweep point(s) x {seeds} seed(s)" + (f" and {len(references)} reference run(s)"
-                                                                 if references else "") + f": {runs} runs")
+                                                                 if references else "")
+            + (f" after {trials} tuning trial runs" if trials else "") + f": {runs + trials} runs")
     if dry_run:
         print(f"note: a dry run of {size}; each point's data is partitioned and its models built", file=sys.stderr)
     elif not yes:

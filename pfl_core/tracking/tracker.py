@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pfl_core.errors import PflError, deferred_interrupts
+from pfl_core.errors import PflError, Stopped, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for
 from pfl_core.tracking import journal
 
@@ -82,8 +82,9 @@ def current_study():
 
 def run_status(exc: BaseException) -> str:
     """The MLflow status of a run a ``exc`` stopped: KILLED for Ctrl-C and SIGTERM
-    (KeyboardInterrupt, :class:`pfl_core.errors.Interrupted`), FAILED otherwise."""
-    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+    (KeyboardInterrupt, :class:`pfl_core.errors.Interrupted`) and a run stopped on purpose
+    (:class:`pfl_core.errors.Stopped`: a pruned trial), FAILED otherwise."""
+    return "KILLED" if isinstance(exc, (KeyboardInterrupt, Stopped)) else "FAILED"
 
 
 class NullTracker:
@@ -111,6 +112,9 @@ class NullTracker:
 
     def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
         """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
+
+    def set_tag_to(self, run_id: str | None, key: str, value: str) -> None:
+        """Tag a run that may already have ended (a tuning trial: complete or pruned)."""
 
     def keep_journal_in(self, folder) -> None:
         """The run's checkpoint folder (or None): where calls the store misses are kept."""
@@ -268,6 +272,10 @@ class MlflowTracker(NullTracker):
             return
         self._log({"op": "metrics", "run_id": run_id, "step": 0, "timestamp": journal.now_ms(),
                    "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def set_tag_to(self, run_id, key, value):
+        if run_id is not None:
+            self._log({"op": "tag", "run_id": run_id, "key": key, "value": str(value)})
 
     def end(self, status="FINISHED"):
         if self.run_id is None:
