@@ -8,7 +8,6 @@ pool sample belongs to at most one client or to the public set U.
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Optional, Union
 
 import attrs
@@ -22,6 +21,7 @@ from pfl_core.seeding import numpy_rng
 
 __all__ = [
     "ClientData",
+    "DataCache",
     "PublicData",
     "FederatedData",
     "build_federated_data",

@@ -1,0 +1,216 @@
+"""``[tune]``: every point tuned by Optuna with the same number of trials on the validation split,
+then run at its best configuration; bad input is one line before any data loads; a killed
+tuning resumes without repeating a finished trial."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import tomllib
+from mlflow.tracking import MlflowClient
+from test_cli import one_line_error, run_cli, write_spec
+from tiny import tiny_raw
+
+from pfl_core.data.federated import DataCache
+from pfl_core.engine import Engine, resolve
+from pfl_core.study import run_spec_file
+
+pytest.importorskip("optuna")
+import optuna  # noqa: E402
+
+
+def tune_raw(trials=4, space=None, method=None, sweep=("fedavg", "fedprox"), **overrides):
+    """The tiny spec with [tune] (``tune.*`` overrides go into it) and a sweep of methods."""
+    raw = tiny_raw(**{"experiment.rounds": 3, "experiment.seeds": [0, 1],
+                      **{k: v for k, v in overrides.items() if not k.startswith("tune.")}})
+    raw["tune"] = {"trials": trials, "space": space if space is not None else
+                   {"training.lr": {"low": 0.001, "high": 0.5, "log": True}}}
+    if method is not None:
+        raw["tune"]["method"] = method
+    for key, value in overrides.items():
+        if key.startswith("tune."):
+            raw["tune"][key.removeprefix("tune.")] = value
+    if sweep:
+        raw["sweep"] = {"algorithm.name": list(sweep)}
+    return raw
+
+
+def runs_of(uri: str) -> list:
+    client = MlflowClient(tracking_uri=uri)
+    return [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+def trials_of(storage: Path) -> dict[str, list]:
+    url = f"sqlite:///{storage}"
+    return {s.study_name: optuna.load_study(study_name=s.study_name, storage=url).trials
+            for s in optuna.study.get_all_study_summaries(url)}
+
+
+# -- bad input: one line naming the key, before any data loads ---------------------------------
+
+MISSING_DATA = {"data.name": "npz", "data.params": {"path": "/nonexistent/never.npz"}}
+
+
+@pytest.mark.parametrize("change, key, words", [
+    ({"tune.space": {"training.lrr": {"low": 0.1, "high": 0.2}}}, "tune.space.training.lrr", "unknown key"),
+    ({"tune.space": {"training.optimizer": {"low": 0.1, "high": 0.2}}}, "tune.space.training.optimizer", "string"),
+    ({"tune.space": {"training.lr": {"low": 0.3, "high": 0.1}}}, "tune.space.training.lr", "empty range"),
+    ({"tune.space": {"training.lr": {"low": 0.0, "high": 0.1, "log": True}}}, "tune.space.training.lr.low",
+     "log range needs low > 0"),
+    ({"tune.space": {"training.lr": {"choices": [0.1, "fast"]}}}, "tune.space.training.lr.choices", "mixes types"),
+    ({"tune.space": {"training.lr": {"low": "a", "high": 0.1}}}, "tune.space.training.lr.low", "finite number"),
+    ({"tune.space": {"training.lr": 0.1}}, "tune.space.training.lr", "expected a table"),
+    ({"tune.trials": 0}, "tune.trials", ">= 1"),
+    ({"tune.metric": "acc_mean"}, "tune.metric", "test split"),
+    ({"tune.space": {"algorithm.params.mu": {"choices": [0.1, 1.0]}}}, "tune.space.algorithm.params.mu", "fedavg"),
+    ({"tune.method": {"fedprx": {"algorithm.params.mu": {"choices": [0.1]}}}}, "tune.method.fedprx",
+     "no point of this spec runs"),
+    ({"tune.sampler": "grid"}, "tune.sampler", "needs choices for every key"),
+    ({"partition.val_fraction": 0.0}, "partition.val_fraction", "validation split"),
+    ({"tune.space": {"training.momentum": {"low": 0.5, "high": 1.5}}}, "tune.space.training.momentum", "1.5"),
+])
+def test_bad_tuning_input_is_one_line_naming_the_key_before_data_loads(tmp_path, capsys, change, key, words):
+    raw = tune_raw(**MISSING_DATA)  # data that cannot load: an error after loading would say so instead
+    for dotted, value in change.items():
+        section, name = dotted.split(".", 1)
+        raw[section][name] = value
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--no-tracking")
+    line = one_line_error(err)
+    assert code == 2 and f"error: {key}" in line and words in line, line
+
+
+# -- tuning finds what it should --------------------------------------------------------------
+
+
+def test_tuning_finds_the_learning_rate_that_learns_and_runs_the_point_at_it(tmp_path):
+    # 3 rounds at lr 1e-5 leave the model where it started; 0.3 fits the (linearly separable) domains
+    raw = tune_raw(trials=2, sweep=None, space={"training.lr": {"choices": [0.00001, 0.3]}},
+                   **{"tune.sampler": "grid", "tune.metric": "val_loss_mean", "tune.direction": "minimize"})
+    (point,) = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out_dir=str(tmp_path / "o"),
+                             out=open(tmp_path / "out.txt", "w"))
+    tuned = tomllib.loads((tmp_path / "o" / "runs" / "fedavg" / "tuned_spec.toml").read_text())
+    assert tuned["training"]["lr"] == 0.3 and "tune" not in tuned
+    assert "fedavg: tuned in 2 trials (0 pruned): training.lr=0.3" in (tmp_path / "out.txt").read_text()
+    # the final runs are the tuned spec's runs, on experiment.seeds
+    assert point.seeds == [0, 1]
+    for seed, run in zip(point.seeds, point.runs):
+        alone = Engine(resolve({**tuned, "experiment": {**tuned["experiment"], "seed": seed, "seeds": None}}),
+                       progress=False).run()
+        assert run.final["acc_mean"] == alone.final["acc_mean"]
+
+
+def test_same_spec_same_trials_and_every_method_gets_the_same_number(tmp_path, monkeypatch):
+    raw = tune_raw(trials=3, method={"fedprox": {"algorithm.params.mu": {"choices": [0.001, 0.1, 1.0]}}},
+                   **{"tracking.enabled": True})
+    proposals = []
+    for attempt in ("a", "b"):
+        folder = tmp_path / attempt
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        run_spec_file(write_spec(folder, raw), [], quiet=True, tracking_uri=uri, out=open(folder / "out.txt", "w"))
+        mlflow.set_tracking_uri(None)
+        studies = trials_of(folder / "optuna.db")
+        assert len(studies) == 2  # one per point, beside the MLflow store
+        proposals.append({name.split("/")[1]: [t.params for t in trials] for name, trials in studies.items()})
+        runs = runs_of(uri)
+        parents = {r.info.run_name: r for r in runs if r.info.run_name.endswith("(tuning)")}
+        assert set(parents) == {"fedavg (tuning)", "fedprox (tuning)"}
+        for name, parent in parents.items():
+            children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+            assert len(children) == 3  # the same number of trials for every method
+            assert {c.data.tags["pfl.tune.state"] for c in children} <= {"complete", "pruned"}
+            assert parent.data.metrics["trials_complete"] + parent.data.metrics["trials_pruned"] == 3
+        prox = [c for c in runs if c.data.tags.get("mlflow.parentRunId") == parents["fedprox (tuning)"].info.run_id]
+        assert {c.data.params["algorithm.params.mu"] for c in prox} <= {"0.001", "0.1", "1.0"}
+        assert all(float(c.data.params["evaluation.validation"] == "True") for c in prox)
+    assert proposals[0] == proposals[1]  # seeded: the same spec proposes the same trials
+    assert proposals[0]["fedavg"] != [{}] * 3 and len(proposals[0]["fedprox"][0]) == 2
+
+
+def test_the_tuning_seed_is_not_a_final_seed_and_the_trials_share_one_partition(tmp_path):
+    from pfl_core.study.points import resolve_points
+    from pfl_core.study.tune import plan_tuning
+
+    points = resolve_points(tune_raw(**{"experiment.seeds": [0, 4, 2]}), [])
+    plans = plan_tuning(points, ["fedavg", "fedprox"])
+    assert [p.seeds for p in plans] == [[5], [5]]
+    raw = tune_raw(**{"tune.seeds": [7, 8]})
+    assert plan_tuning(resolve_points(raw, []), ["fedavg", "fedprox"])[0].seeds == [7, 8]
+    # a trial's run from the cache equals one that built its own data, and the cache hands out copies
+    spec = resolve(tiny_raw(**{"partition.val_fraction": 0.2}))
+    cache = DataCache()
+    first = cache.get(spec.spec)
+    labels = first.clients[0].train_y.clone()
+    first.clients[0].train_y += 1  # a plugin changing its data cannot reach the next trial
+    assert cache.get(spec.spec).clients[0].train_y.equal(labels)
+    timed = ("round_seconds", "eval_seconds")
+    cached, built = Engine(spec, progress=False, data_cache=cache).run(), Engine(spec, progress=False).run()
+    assert {k: v for k, v in cached.final.items() if k not in timed} == {
+        k: v for k, v in built.final.items() if k not in timed} and "acc_mean" in built.final
+
+
+def test_the_median_pruner_stops_trials_and_their_runs_say_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # half the range cannot learn in 4 rounds: once 5 trials ran whole, such trials fall below the median
+    raw = tune_raw(trials=12, sweep=None, space={"training.lr": {"low": 1e-6, "high": 0.5, "log": True}},
+                   **{"experiment.rounds": 4, "tracking.enabled": True, "tune.sampler": "random"})
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out=open(tmp_path / "o.txt", "w"))
+    mlflow.set_tracking_uri(None)
+    (trials,) = trials_of(tmp_path / "optuna.db").values()
+    pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and len(trials) == 12
+    runs = {r.data.tags.get("pfl.tune.trial"): r for r in runs_of(uri) if "pfl.tune.trial" in r.data.tags}
+    for t in trials:
+        run = runs[str(t.number)]
+        if t.state == optuna.trial.TrialState.PRUNED:
+            assert run.info.status == "KILLED" and run.data.tags["pfl.tune.state"] == "pruned"
+            assert max(t.intermediate_values) < 4  # stopped before its last round
+        else:
+            assert run.info.status == "FINISHED" and run.data.metrics["tune_objective"] == pytest.approx(t.value)
+
+
+KILL_AT_TRIAL = """
+import os, signal, sys
+from pfl_core.engine import engine
+started = [0]
+run = engine.Engine.run
+def counting(self, *args, **kwargs):
+    started[0] += 1
+    if started[0] == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run(self, *args, **kwargs)
+engine.Engine.run = counting
+from pfl_core.cli import run_main
+sys.exit(run_main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_tuning_resumes_without_repeating_a_finished_trial(tmp_path):
+    raw = tune_raw(trials=5, sweep=None, **{"tracking.enabled": True, "tracking.progress": False})
+    spec = write_spec(tmp_path, raw)
+    env = {**os.environ, "KILL_AT": "4", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_TRIAL, spec, "--quiet"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    (before,) = trials_of(tmp_path / "optuna.db").values()
+    finished = [(t.number, t.params, t.value) for t in before if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(finished) == 3 and before[3].state == optuna.trial.TrialState.RUNNING
+    resumed = subprocess.run([sys.executable, "-c", "import sys; from pfl_core.cli import run_main; "
+                              "sys.exit(run_main(sys.argv[1:]))", spec, "--resume", "--quiet"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    (after,) = trials_of(tmp_path / "optuna.db").values()  # the same study, continued
+    states = [t.state for t in after]
+    assert states.count(optuna.trial.TrialState.COMPLETE) + states.count(optuna.trial.TrialState.PRUNED) == 5
+    assert after[3].state == optuna.trial.TrialState.FAIL  # the killed one, replaced
+    assert [(t.number, t.params, t.value) for t in after[:3]] == finished  # never run again
+    # MLflow: one run per trial that ran (trial 3 was killed as its run began: it has none)
+    runs = [r for r in runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}") if "pfl.tune.trial" in r.data.tags]
+    assert sorted(int(r.data.tags["pfl.tune.trial"]) for r in runs) == [0, 1, 2, 4, 5]
