@@ -316,7 +316,8 @@ def part_concurrency(workdir: Path, processes: int, trials: int, signal_trials: 
             if process.returncode == 0:
                 succeeded += 1
             else:
-                line = f"rc {process.returncode}: {first_line(err)}"
+                # The trial's folder named generically, so the same failure in each trial counts once.
+                line = f"rc {process.returncode}: {first_line(err, 200)}".replace(str(folder), "<trial folder>")
                 failures[line] = failures.get(line, 0) + 1
 
     rng = random.Random(seed)

@@ -333,6 +333,7 @@ class Engine:
                     if spec.evaluation.validation:
                         scores.update(evaluate_clients(ctx, split="val", prefix="val_")[0])
                     metrics.update(scores, eval_seconds=time.perf_counter() - started)
+                    metrics.update(ctx.budget_metrics())  # with this evaluation's fine-tuning steps
                     history.append({"round": round, **metrics})
                 self.tracker.log_metrics(metrics, step=round)
                 progress.update(round, metrics if "acc_mean" in metrics else None)

@@ -250,7 +250,7 @@ class _Replay:
                 raise RuntimeError("executor 'batched': local_train called client.train() with arguments or "
                                    "twice, which the joint training did not do; report this as a bug")
             calls.append(True)
-            client.count_work(private=result.samples)
+            client.count_work(private=result.samples, private_steps=result.steps)
             return mean_training_loss(result.loss_total, result.steps)  # NonFiniteError as run_epochs raises it
 
         client.train = train

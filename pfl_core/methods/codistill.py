@@ -147,7 +147,7 @@ class PublicPredictionMethod(Plugin):
         return distill(model, client.optimizer(), ctx.data.public.x, targets, epochs=p.distill_epochs,
                        batch_size=p.distill_batch_size, temperature=p.temperature,
                        generator=client.generator("distill"), drop_last=ctx.spec.training.drop_last,
-                       counter=lambda n: client.count_work(public=n), take_batch=client.take_batch)
+                       counter=lambda n: client.count_work(public=n), take_batch=lambda: client.take_batch("public"))
 
     @hookimpl
     def local_train(self, ctx, client):

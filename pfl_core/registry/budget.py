@@ -5,7 +5,10 @@ declares what it does per round (:class:`LocalWork`, from ``Plugin.local_work``)
 spec shows the totals as a ``[budget]`` table, and the engine measures what really ran
 (samples processed over the client's private train split and over the public set) and logs
 the cumulative mean per training client as ``budget.private_epochs`` and
-``budget.public_epochs`` after every round.
+``budget.public_epochs`` after every round; in the other unit, optimiser steps summed over a
+client's models, as ``budget.private_steps`` and ``budget.public_steps``, and the steps of
+fine-tuning at evaluation time (FedBABU's head, Per-FedAvg's adaptation) as
+``budget.finetune_steps``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ class LocalWork:
 
 @attrs.define
 class WorkCounter:
-    """Samples one client processed this round (forward + backward passes)."""
+    """Samples one client processed this round (forward + backward passes), and the optimiser
+    steps it took on them, summed over all its models (``report.budget = "steps"``)."""
 
     private: int = 0
     public: int = 0
+    private_steps: int = 0
+    public_steps: int = 0
+
+    @property
+    def steps(self) -> int:
+        return self.private_steps + self.public_steps

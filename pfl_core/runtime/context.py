@@ -185,18 +185,27 @@ class Client:
         """This client's values for this round (``client.log(alpha=0.7)``): see ``ctx.log_client``."""
         self.ctx.log_client(self.id, **values)
 
-    def count_work(self, private: int = 0, public: int = 0) -> None:
+    def count_work(self, private: int = 0, public: int = 0, private_steps: int = 0, public_steps: int = 0) -> None:
         """Record samples processed by a plugin's own training loop (``train`` counts its own):
-        ``private`` over this client's train split, ``public`` over the public set."""
+        ``private`` over this client's train split, ``public`` over the public set; and optimiser
+        steps beyond the one per mini-batch that ``take_batch`` counts (pFedMe's inner steps, a
+        second model stepped on the same batch)."""
         self.work.private += int(private)
         self.work.public += int(public)
+        self.work.private_steps += int(private_steps)
+        self.work.public_steps += int(public_steps)
 
-    def take_batch(self) -> bool:
+    def take_batch(self, work: str = "private") -> bool:
         """Asked by every training loop before each mini-batch step: False once this round's
-        ``batch_limit`` is spent (the loop stops there), else True, and the step is counted."""
+        ``batch_limit`` is spent (the loop stops there), else True, and the step is counted (as
+        a step on ``work``: "private" or "public" data)."""
         if self.batch_limit is not None and self.batches_taken >= self.batch_limit:
             return False
         self.batches_taken += 1
+        if work == "public":
+            self.work.public_steps += 1
+        else:
+            self.work.private_steps += 1
         return True
 
     @property
@@ -250,7 +259,7 @@ class Client:
             shuffle=training.shuffle,
             drop_last=training.drop_last,
             counter=lambda n: self.count_work(**{work: n}),
-            take_batch=self.take_batch,
+            take_batch=lambda: self.take_batch(work),
         )
 
 
@@ -285,10 +294,15 @@ class RunContext:
 
         self.work_private_epochs = 0.0  # summed over clients: epochs over their private data
         self.work_public_epochs = 0.0
+        self.work_private_steps = 0  # summed over clients: optimiser steps on private data
+        self.work_public_steps = 0
+        self.finetune_steps = 0  # summed over clients: steps of fine-tuning before an evaluation
 
     def record_work(self, client_id: int, work: WorkCounter) -> None:
         """Add one client's round of local work (samples processed, as epochs) to the totals."""
         self.work_private_epochs += work.private / max(self.data.clients[client_id].num_train, 1)
+        self.work_private_steps += work.private_steps
+        self.work_public_steps += work.public_steps
         public = self.data.public
         if public is not None and len(public.indices):
             self.work_public_epochs += work.public / len(public.indices)
@@ -302,7 +316,10 @@ class RunContext:
         """Cumulative local work per training client, measured (compare with ``[budget]``)."""
         clients = max(len(self.training_clients), 1)
         return {"budget.private_epochs": self.work_private_epochs / clients,
-                "budget.public_epochs": self.work_public_epochs / clients}
+                "budget.public_epochs": self.work_public_epochs / clients,
+                "budget.private_steps": self.work_private_steps / clients,
+                "budget.public_steps": self.work_public_steps / clients,
+                "budget.finetune_steps": self.finetune_steps / clients}
 
     @property
     def num_clients(self) -> int:

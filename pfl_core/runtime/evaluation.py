@@ -85,9 +85,10 @@ class EvaluationTask:
         return f"the evaluation of client {self.client_id}"
 
 
-def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, dict, list, list]:
+def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, dict, list, list, int]:
     """The client side of one evaluation: build the model(s) and score them on the client's own
-    split. Runs wherever the executor puts it; returns (row, {prefix: Score}, logged, resolved)."""
+    split. Runs wherever the executor puts it; returns (row, {prefix: Score}, logged, resolved,
+    the optimiser steps of any fine-tuning before scoring)."""
     client = Client(view, task.client_id, state=task.state)
     if models_for is None:
         models = view.hooks.personalized_models(ctx=view, client=client, message=task.message)
@@ -104,7 +105,7 @@ def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, 
         row[f"{model_prefix}acc"] = s.accuracy
         row[f"{model_prefix}loss"] = s.loss
     logged, resolved = view.take_reports()
-    return row, scores, logged, resolved
+    return row, scores, logged, resolved, client.work.steps  # the steps of fine-tuning before scoring
 
 
 def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,
@@ -130,7 +131,8 @@ def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,
                    for cid in client_ids)
     per_prefix: dict[str, tuple[list[float], list[float]]] = {}
     rows = []
-    for row, scores, logged, resolved in results:
+    for row, scores, logged, resolved, finetune_steps in results:
+        ctx.finetune_steps += finetune_steps
         for logged_id, values in logged:  # as the engine does with a round's client
             ctx.log_client(logged_id, **values)
         for name, value in resolved:

@@ -300,7 +300,10 @@ class Checkpointer:
             "server": _portable(ctx.server),
             "counters": {"comm_up": ctx.comm_up, "comm_down": ctx.comm_down,
                          "work_private_epochs": ctx.work_private_epochs,
-                         "work_public_epochs": ctx.work_public_epochs},
+                         "work_public_epochs": ctx.work_public_epochs,
+                         "work_private_steps": ctx.work_private_steps,
+                         "work_public_steps": ctx.work_public_steps,
+                         "finetune_steps": ctx.finetune_steps},
             "history": _portable(history),
             "rows": _portable(rows),
             "client_series": series_columns(getattr(ctx, "client_series", None)),
@@ -468,6 +471,9 @@ def restore(ctx, loaded: Loaded) -> tuple[int, list[dict], list[dict]]:
     ctx.comm_up, ctx.comm_down = counters["comm_up"], counters["comm_down"]
     ctx.work_private_epochs = counters["work_private_epochs"]
     ctx.work_public_epochs = counters["work_public_epochs"]
+    ctx.work_private_steps = int(counters["work_private_steps"])
+    ctx.work_public_steps = int(counters["work_public_steps"])
+    ctx.finetune_steps = int(counters["finetune_steps"])
     if state.get("client_series") is not None and hasattr(ctx, "client_series"):
         ctx.client_series = series_rows(state["client_series"])
     ctx.resolved_values.update(state.get("resolved_values") or {})

@@ -9,7 +9,7 @@ from pfl_core.engine import RunResult
 from pfl_core.study.compare import GAINS, comparisons
 from pfl_core.study.points import Point, PointResult, point_builds
 from pfl_core.study.stats import Summary
-from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds
+from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds, warning_line
 
 
 def print_locations(point: Point, out_dir: str | None, out) -> None:
@@ -132,7 +132,36 @@ def print_client_table(result: RunResult, name: str, out) -> None:
 COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
 
 
-def print_comparison(results: list[PointResult], reference: str, out, correction: str = "holm") -> None:
+BUDGET_UNITS = {  # report.budget -> the final metrics that make up a run's budget in that unit
+    "passes": ("budget.private_epochs", "budget.public_epochs"),
+    "steps": ("budget.private_steps", "budget.public_steps", "budget.finetune_steps"),
+}
+BUDGET_TOLERANCE = 0.10  # compared methods whose budgets differ by more than this are warned about
+
+
+def budget_columns(results: list[PointResult], unit: str) -> list[str]:
+    """The chosen unit's budget entries that any run used (private always)."""
+    keys = BUDGET_UNITS[unit]
+    return [k for i, k in enumerate(keys) if i == 0 or any(r.summary.get(k) and r.summary[k].mean for r in results)]
+
+
+def check_budgets(results: list[PointResult], unit: str) -> None:
+    """A warning line when the compared runs' budgets (their sum in ``unit``) differ by more
+    than ``BUDGET_TOLERANCE``: a comparison at unequal budgets is a comparison of budgets."""
+    totals = {r.name: sum(r.summary[k].mean for k in BUDGET_UNITS[unit] if k in r.summary) for r in results
+              if BUDGET_UNITS[unit][0] in r.summary}
+    finite = {name: t for name, t in totals.items() if not math.isnan(t)}
+    if len(finite) < 2 or min(finite.values()) <= 0:
+        return
+    if max(finite.values()) > (1 + BUDGET_TOLERANCE) * min(finite.values()):
+        shown = ", ".join(f"{name} {total:g}" for name, total in finite.items())
+        warning_line(f"the compared runs' local budgets ({unit}) differ by more than "
+                     f"{BUDGET_TOLERANCE:.0%}: {shown} ({' + '.join(BUDGET_UNITS[unit])} per client); "
+                     f"equalise them, or compare in the other unit (report.budget)")
+
+
+def print_comparison(results: list[PointResult], reference: str, out, correction: str = "holm",
+                     budget: str = "passes") -> None:
     """Every run as mean ± ci95, its collaboration gain over the reference runs (when
     ``experiment.reference`` is set), and its paired difference from ``reference`` over the
     same seeds with its p adjusted for the table's other comparisons of that metric
@@ -145,13 +174,15 @@ def print_comparison(results: list[PointResult], reference: str, out, correction
     gain_keys = [k for k in GAINS if any(k in r.summary for r in results)]
     diff_keys = keys if n > 1 else []
     differences = comparisons(results, ref, diff_keys, correction)
-    header = ["run", *keys, "comm_up_bytes", *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
+    budgets = budget_columns(results, budget)
+    header = ["run", *keys, "comm_up_bytes", *budgets, *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
     rows = []
     for r in results:
         rows.append([
             r.name,
             *[_pm(r.summary[k]) if k in r.summary else "-" for k in keys],
             human_bytes(r.summary["comm_up_bytes"].mean) if "comm_up_bytes" in r.summary else "-",
+            *[f"{r.summary[k].mean:g}" if k in r.summary else "-" for k in budgets],
             *[_interval(r.summary[k]) if k in r.summary else "-" for k in gain_keys],
             *[_interval(differences[(r.name, k)]) if (r.name, k) in differences else "-" for k in diff_keys],
         ])
@@ -164,6 +195,7 @@ def print_comparison(results: list[PointResult], reference: str, out, correction
               file=out)
     if len({tuple(r.seeds) for r in results}) > 1:
         print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
+    check_budgets(results, budget)
 
 
 P_NOTE = {"holm": "p adjusted by Holm's method over the table's comparisons of each metric; * = adjusted p < 0.05",

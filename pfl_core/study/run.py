@@ -127,7 +127,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             log_differences(points[0], shown, compare_to, tracking_uri)
             if plans:
                 print(f"\n{describe(plans)}", file=out)
-            print_comparison(shown, compare_to, out, correction)
+            print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget)
     except BaseException as exc:
         if results_dir is not None:
             done = shown or [*finished(), *partial]

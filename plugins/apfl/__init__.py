@@ -142,9 +142,10 @@ class APFL(FedAvg):
                     alpha.fill_(alpha_step(float(alpha), float(grad_alpha), alpha_lr))
             return client.objective(model, x, y, logits)  # (2): the loss of w_i, stepped by the loop
 
-        before = client.work.private
+        before, steps_before = client.work.private, client.work.private_steps
         metrics = client.train(epochs=epochs, loss_fn=loss_and_personal_step)
-        client.count_work(private=client.work.private - before)  # v_bar_i's passes: the same samples again
+        # v_bar_i's passes and steps: the same samples again, one step of v per step of w
+        client.count_work(private=client.work.private - before, private_steps=client.work.private_steps - steps_before)
         client.state["v"] = {k: (v[k] if k in v else buffers[k]).detach() for k in v_state}
         client.state["alpha"] = float(alpha.detach())
         client.log(alpha=client.state["alpha"])

@@ -191,6 +191,7 @@ class PerFedAvg(FedAvg):
                 idx = batches[s % len(batches)]
                 adaptation_step(model, self.params.alpha, client.data.train_x[idx], client.data.train_y[idx],
                                 client.objective)
+            client.count_work(private_steps=self.params.eval_steps)  # evaluation-time: budget.finetune_steps
         return model
 
     @hookimpl

@@ -160,6 +160,8 @@ class PFedMe(FedAvg):
                     seen += len(idx)
                     losses.append(moreau_step(model, w, x_all[idx], y_all[idx], k=self.params.k, inner=inner,
                                               loss_fn=client.objective, eta_lambda=eta_lambda))
+                    # steps on this batch: take_batch counted w's update (3); these are theta's k (2)
+                    client.count_work(private_steps=self.params.k)
                 else:
                     seen = n  # a whole epoch counts n samples, its dropped remainder included
                 client.count_work(private=self.params.k * seen)
