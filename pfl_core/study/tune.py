@@ -312,7 +312,8 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
         try:
             run = Engine(resolved, tracker=tracker, progress=not quiet, run_name=label,
                          progress_label=counter.label(label) if counter else label,
-                         on_evaluated=report if tune.pruner != "none" else None, data_cache=data_cache).run()
+                         on_evaluated=report if tune.pruner != "none" else None, data_cache=data_cache,
+                         artifacts=False).run()
         except Pruned:
             raise optuna.TrialPruned() from None
         score = objective_value(run.history, tune.metric, tune.objective, tune.direction)

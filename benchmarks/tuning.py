@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""What tuning costs beyond the trials themselves, and what median pruning saves (a script, not a test).
+
+1. Overhead. For each point of the spec, ``--trials`` trials run through the real tuning code
+   (``pfl_core.study.tune.tune_point``: Optuna's sampler and SQLite storage, an MLflow parent
+   run and a child run per trial in a SQLite store, no pruning), each trial timed from Optuna's
+   start to its end. Then the same configurations (the values each trial ran, on the same
+   tuning seed, with the same cached data) run as bare ``Engine.run`` calls without tracking.
+   Overhead = tuned trial time / bare run time - 1, as the median over the trials. Target <= 2%.
+2. Pruning. The point's tuning runs twice from the same seeded sampler, ``pruner = "none"`` and
+   ``pruner = "median"``; printed: the tuning wall time of each, the saving, and the quality of
+   what each chose (its best validation objective, and the test ``acc_mean`` of its best
+   configuration on ``--final-seeds`` seeds). Target: a saving >= 30% at equal final quality.
+
+    python benchmarks/tuning.py                                   # specs/quickstart.toml, 20 trials
+    python benchmarks/tuning.py --trials 8 --final-seeds 2        # quicker
+    python benchmarks/tuning.py --spec SPEC --space training.lr=0.001:0.5:log
+
+Each measurement runs in a fresh temporary folder (its own mlflow.db and optuna.db); one torch
+thread. Exit status 0 whatever the figures. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_space(text: str) -> dict:
+    """``training.lr=0.001:0.5:log`` -> {"training.lr": {"low": 0.001, "high": 0.5, "log": True}}."""
+    key, _, rng = text.partition("=")
+    low, high, *flags = rng.split(":")
+    return {key: {"low": float(low), "high": float(high), "log": "log" in flags}}
+
+
+def plans_for(spec_path: str, trials: int, pruner: str, space: dict, points_wanted: list[str] | None):
+    from pfl_core.spec import load_toml
+    from pfl_core.study.points import resolve_points, run_names
+    from pfl_core.study.tune import plan_tuning
+
+    raw = load_toml(spec_path)
+    raw.setdefault("partition", {}).setdefault("val_fraction", 0.1)
+    raw["tune"] = {"trials": trials, "pruner": pruner, "space": space}
+    raw.setdefault("tracking", {})["progress"] = False
+    points = resolve_points(raw, [])
+    names = run_names(points)
+    plans = plan_tuning(points, names)
+    return [p for p in plans if not points_wanted or p.name in points_wanted]
+
+
+def timed_tuning(plan, folder: Path, cache, record: dict | None = None):
+    """Tune ``plan`` in ``folder`` (its own stores); returns (seconds, Tuned). ``record``:
+    filled with each trial's wall time and values (Optuna's own timestamps)."""
+    from pfl_core.study.tune import tune_point
+
+    os.chdir(folder)
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    started = time.perf_counter()
+    tuned = tune_point(plan, uri, True, False, cache)
+    seconds = time.perf_counter() - started
+    if record is not None:
+        import optuna
+
+        study = optuna.load_study(study_name=optuna.study.get_all_study_summaries(
+            f"sqlite:///{folder / 'optuna.db'}")[0].study_name, storage=f"sqlite:///{folder / 'optuna.db'}")
+        for t in study.trials:
+            record[t.number] = ((t.datetime_complete - t.datetime_start).total_seconds(), t.params)
+    return seconds, tuned
+
+
+def bare_seconds(plan, values: dict, cache) -> float:
+    from pfl_core.engine import Engine
+    from pfl_core.study.tune import trial_point
+
+    resolved = trial_point(plan.point, values, plan.seeds[0])
+    started = time.perf_counter()
+    Engine(resolved, progress=False, data_cache=cache).run()  # no tracker: NullTracker
+    return time.perf_counter() - started
+
+
+def final_accuracy(point, seeds: list[int], cache) -> float:
+    from pfl_core.engine import Engine
+
+    accs = [Engine(point.for_seed(s), progress=False, data_cache=cache).run().final["acc_mean"] for s in seeds]
+    return statistics.fmean(accs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default=str(ROOT / "specs" / "quickstart.toml"))
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--space", default="training.lr=0.001:0.5:log")
+    parser.add_argument("--points", nargs="*", default=None, help="only these points (run names)")
+    parser.add_argument("--final-seeds", type=int, default=5)
+    parser.add_argument("--skip", choices=["overhead", "pruning"], default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from pfl_core.data.federated import DataCache
+
+    space = parse_space(args.space)
+    here = Path.cwd()
+    print(f"spec {args.spec}, {args.trials} trials per point, space {space}")
+    if args.skip != "overhead":
+        print("\n== overhead: a tuned trial (Optuna + MLflow) against the same run bare ==")
+        ratios_all = []
+        for plan in plans_for(args.spec, args.trials, "none", space, args.points):
+            cache = DataCache()
+            record: dict = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                timed_tuning(plan, Path(tmp), cache, record)
+                os.chdir(here)
+            ratios = []
+            for number, (trial_s, values) in sorted(record.items()):
+                bare = bare_seconds(plan, values, cache)
+                ratios.append(trial_s / bare)
+            ratios_all += ratios
+            print(f"{plan.name:>12}: median trial {statistics.median(s for s, _ in record.values()):.3f} s, "
+                  f"overhead median {statistics.median(ratios) - 1:+.1%} "
+                  f"(min {min(ratios) - 1:+.1%}, max {max(ratios) - 1:+.1%})")
+        print(f"all points: overhead median {statistics.median(ratios_all) - 1:+.1%} (target <= +2%)")
+    if args.skip != "pruning":
+        print("\n== pruning: the same seeded tuning without and with the median pruner ==")
+        seeds = list(range(args.final_seeds))
+        total = {"none": 0.0, "median": 0.0}
+        for plan_none, plan_median in zip(plans_for(args.spec, args.trials, "none", space, args.points),
+                                          plans_for(args.spec, args.trials, "median", space, args.points)):
+            cache = DataCache()
+            row = []
+            for label, plan in (("none", plan_none), ("median", plan_median)):
+                with tempfile.TemporaryDirectory() as tmp:
+                    seconds, tuned = timed_tuning(plan, Path(tmp), cache)
+                    os.chdir(here)
+                total[label] += seconds
+                acc = final_accuracy(tuned.point, seeds, cache)
+                row.append(f"{label}: {seconds:6.1f} s, {tuned.pruned:2d} pruned, best objective "
+                           f"{tuned.objective:.4f}, test acc_mean {acc:.4f} on {len(seeds)} seeds")
+            print(f"{plan_none.name:>12}: " + " | ".join(row))
+        saving = 1 - total["median"] / total["none"] if total["none"] else float("nan")
+        print(f"all points: tuning {total['none']:.1f} s without pruning, {total['median']:.1f} s with: "
+              f"saving {saving:.0%} (target >= 30% at equal final quality)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
