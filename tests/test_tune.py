@@ -214,3 +214,16 @@ def test_a_killed_tuning_resumes_without_repeating_a_finished_trial(tmp_path):
     # MLflow: one run per trial that ran (trial 3 was killed as its run began: it has none)
     runs = [r for r in runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}") if "pfl.tune.trial" in r.data.tags]
     assert sorted(int(r.data.tags["pfl.tune.trial"]) for r in runs) == [0, 1, 2, 4, 5]
+
+
+def test_parallel_trials_nest_under_their_tuning_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tune_raw(trials=4, sweep=None, **{"tracking.enabled": True, "tune.parallel": 2})
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out=open(tmp_path / "o.txt", "w"))
+    mlflow.set_tracking_uri(None)
+    runs = runs_of(uri)
+    (parent,) = [r for r in runs if r.info.run_name == "fedavg (tuning)"]
+    trials = [r for r in runs if "pfl.tune.trial" in r.data.tags]
+    # MLflow's active run is per thread: the trials of the second thread name their parent themselves
+    assert len(trials) == 4 and all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in trials)

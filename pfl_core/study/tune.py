@@ -32,6 +32,7 @@ interrupted one is marked failed and replaced; the final runs then run from the 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -271,8 +272,9 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
                  {"algorithm": spec.algorithm.name, "pfl.tune.study": study.study_name, **spec.tracking.tags})
     status = "FAILED"
     try:
-        study.optimize(lambda trial: _objective(trial, plan, tracking_uri, quiet, data_cache, counter),
-                       n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
+        objective = functools.partial(_objective, plan=plan, tracking_uri=tracking_uri, quiet=quiet,
+                                      data_cache=data_cache, counter=counter, parent_run_id=parent.run_id)
+        study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
                        callbacks=[_grid_done] if tune.sampler == "grid" else None)
         tuned = _best(study, plan)
         tuned.run_id = parent.run_id
@@ -290,7 +292,8 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         parent.end(status)
 
 
-def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: DataCache, counter) -> float:
+def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: DataCache, counter,
+               parent_run_id: str | None) -> float:
     import optuna
 
     spec = plan.point.resolved.spec
@@ -301,6 +304,7 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
         label = f"{plan.name} trial {trial.number}" + (f" seed={seed}" if len(plan.seeds) > 1 else "")
         resolved = trial_point(plan.point, values, seed, {"pfl.tune.trial": str(trial.number)})
         tracker = make_tracker(spec.tracking, tracking_uri)
+        tracker.parent_run_id = parent_run_id
 
         def report(round: int, metrics: dict, first_step=i * spec.experiment.rounds, tracker=tracker) -> None:
             if tune.metric in metrics and not math.isnan(metrics[tune.metric]):

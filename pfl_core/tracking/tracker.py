@@ -91,6 +91,7 @@ class NullTracker:
     """Tracking switched off: everything is accepted and dropped."""
 
     run_id = None
+    parent_run_id = None
 
     def start(self, experiment: str, run_name: str, params: dict[str, str], tags: dict[str, str]) -> None:
         pass
@@ -153,6 +154,9 @@ class MlflowTracker(NullTracker):
         self.next_retry = 0.0
         self.last_step: int | None = None
         self.refusal_said = False
+        # The run to nest under when it is not this thread's active run (MLflow keeps one stack
+        # of active runs per thread): a tuning trial run in a worker thread.
+        self.parent_run_id: str | None = None
 
     def _set_experiment(self, name: str) -> None:
         """Select (create) the experiment; a new one is a model-training experiment (MLflow 3's
@@ -193,7 +197,9 @@ class MlflowTracker(NullTracker):
         # A run started while another is active (a seed of a repeated experiment, a sweep point
         # of a study) is its child, told apart by its parent; a top-level run by its name.
         nested = mlflow.active_run() is not None
-        if not nested:
+        if not nested and self.parent_run_id:  # a parent in another thread (parallel tuning trials)
+            context[PARENT_TAG] = self.parent_run_id
+        elif not nested:
             run_name = self._unused_name(run_name)
         try:
             run = mlflow.start_run(run_name=run_name, tags={**context, **tags}, nested=nested)
