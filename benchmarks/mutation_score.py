@@ -59,6 +59,18 @@ TESTS: dict[str, list[str]] = {
     "pfl_core/tracking/journal.py": ["tests/test_tracking_outage.py::test_replay_refuses_a_journal_that_names_a_file_outside_it",
                                      "tests/test_tracking_outage.py::test_replay_sends_the_files_a_journal_wrote_itself"],
     "pfl_core/spec/convert.py": ["tests/test_numeric_keys.py", "tests/test_spec.py", "tests/test_bad_input.py"],
+    # issue 21: the corrected statistics, the comparisons, the tuning's space and the steps budget
+    "pfl_core/study/stats.py": [f"tests/test_seeds.py::{name}" for name in (
+        "test_summary_matches_a_hand_computed_t_interval", "test_paired_difference_uses_the_pairs_not_the_two_means",
+        "test_an_interval_that_contains_zero_is_not_marked", "test_the_paired_p_is_the_t_test_of_the_differences_by_hand",
+        "test_holm_adjusts_by_hand", "test_a_difference_significant_alone_is_not_once_corrected_for_the_table",
+        "test_comparison_marks_only_significant_differences")],
+    "pfl_core/study/compare.py": [f"tests/test_seeds.py::{name}" for name in (
+        "test_a_difference_significant_alone_is_not_once_corrected_for_the_table",
+        "test_comparison_marks_only_significant_differences",
+        "test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees")],
+    "pfl_core/study/tune.py": ["tests/test_tune.py"],
+    "pfl_core/study/report.py": ["tests/test_budget_steps.py", "tests/test_seeds.py"],
     "pfl_core/tracking/store_check.py": ["tests/test_interrupt.py::test_a_signal_while_a_store_is_created_leaves_no_store",
                                          "tests/test_interrupt.py::test_an_abandoned_temporary_store_is_removed",
                                          "tests/test_interrupt.py::test_a_temporary_store_of_a_live_process_is_kept_and_that_process_left_alone",

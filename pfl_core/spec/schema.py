@@ -159,6 +159,11 @@ class TrackingSection:
     progress: bool = True
 
 
+# More threads or worker processes than any machine has cores: a typo (torch refuses a count
+# beyond a C int, which was an "internal error" before validation said so).
+MAX_THREADS = 4096
+
+
 @define
 class ExecutorSection:
     # "auto": a process pool on a multi-core CPU when a round has enough work to share, else
@@ -169,9 +174,9 @@ class ExecutorSection:
     device: str = field(default="cpu", validator=one_of("cpu", "cuda", "auto"))
     # torch intra-op threads per process; 0 = 1 (more threads per process oversubscribe the
     # cores of a shared or parallel machine).
-    threads: int = field(default=0, validator=at_least(0))
+    threads: int = field(default=0, validator=[at_least(0), at_most(MAX_THREADS)])
     # worker processes (process executor); left out: one per available core.
-    workers: Optional[int] = field(default=None, validator=at_least(1))
+    workers: Optional[int] = field(default=None, validator=[at_least(1), at_most(MAX_THREADS)])
     # times a client whose worker process died is run again before the run stops
     retries: int = field(default=1, validator=at_least(0))
     # ray executor: "" starts Ray on this machine; "auto" joins the cluster this machine is part
