@@ -64,10 +64,10 @@ TESTS: dict[str, list[str]] = {
         "test_summary_matches_a_hand_computed_t_interval", "test_paired_difference_uses_the_pairs_not_the_two_means",
         "test_an_interval_that_contains_zero_is_not_marked", "test_the_paired_p_is_the_t_test_of_the_differences_by_hand",
         "test_holm_adjusts_by_hand", "test_a_difference_significant_alone_is_not_once_corrected_for_the_table",
-        "test_comparison_marks_only_significant_differences")],
+        "test_comparison_marks_only_significant_differences", "test_the_edges_of_the_statistics")],
     "pfl_core/study/compare.py": [f"tests/test_seeds.py::{name}" for name in (
         "test_a_difference_significant_alone_is_not_once_corrected_for_the_table",
-        "test_comparison_marks_only_significant_differences",
+        "test_comparison_marks_only_significant_differences", "test_the_gains_are_a_family_each_over_the_runs",
         "test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees")],
     "pfl_core/study/tune.py": ["tests/test_tune.py"],
     "pfl_core/study/report.py": ["tests/test_budget_steps.py", "tests/test_seeds.py"],

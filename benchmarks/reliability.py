@@ -112,7 +112,8 @@ def classify(code, err: str) -> str:
 
 
 def first_line(text: str, width: int = 120) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
+    """The first line pfl wrote (MLflow's and alembic's INFO log lines, on store creation, skipped)."""
+    lines = [line for line in text.splitlines() if line.strip() and " INFO " not in line]
     return lines[0][:width] if lines else ""
 
 
@@ -124,11 +125,16 @@ class CaseTimeout(BaseException):
     last-resort handler does not swallow it)."""
 
 
+def _time_out(signum, frame):
+    raise CaseTimeout()
+
+
 def call_run_main(argv: list[str], timeout: int) -> tuple[str, str]:
+    """One in-process ``run_main`` call: its class and what it wrote to stderr."""
     from pfl_core.cli import run_main
 
     err, out = io.StringIO(), io.StringIO()
-    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(CaseTimeout()))
+    signal.signal(signal.SIGALRM, _time_out)
     signal.alarm(timeout)
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -136,7 +142,7 @@ def call_run_main(argv: list[str], timeout: int) -> tuple[str, str]:
         return classify(code, err.getvalue()), err.getvalue()
     except CaseTimeout:
         return "timeout", f"still running after {timeout} s"
-    except BaseException as exc:  # SystemExit included: run_main is meant to return an exit code
+    except BaseException as exc:  # noqa: BLE001 -- SystemExit included: run_main is meant to return a code
         return "uncaught", f"{type(exc).__name__}: {exc} | {err.getvalue()}"
     finally:
         signal.alarm(0)
@@ -221,7 +227,7 @@ def pfl_run_command() -> list[str]:
 
 
 def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV, timeout=timeout, check=False)
 
 
 def metric_histories(client, run_id: str) -> dict[str, list[tuple[int, float]]]:
@@ -302,7 +308,8 @@ def part_kill(workdir: Path, checkpoint_rounds: list[int]) -> dict:
 # -- part 3: concurrency ---------------------------------------------------------------------------
 
 
-def part_concurrency(workdir: Path, processes: int, trials: int, signal_trials: int, seed: int) -> dict:
+def part_concurrency(workdir: Path, processes: int, trials: int, signal_trials: int, window: tuple[float, float],
+                     seed: int) -> dict:
     failures: dict[str, int] = {}
     succeeded = 0
     for trial in range(trials):
@@ -321,25 +328,28 @@ def part_concurrency(workdir: Path, processes: int, trials: int, signal_trials: 
                 failures[line] = failures.get(line, 0) + 1
 
     rng = random.Random(seed)
-    broken = []
-    interrupted_codes = []
+    low, high = window
+    signals = []
     for trial in range(signal_trials):
         folder = workdir / f"sigint-{trial}"
-        spec = str(write_spec(folder, rounds=1, tracking_uri=f"sqlite:///{folder / 'mlflow.db'}"))
-        delay = rng.uniform(0.5, 4.0)
+        store = folder / "mlflow.db"
+        spec = str(write_spec(folder, rounds=1, tracking_uri=f"sqlite:///{store}"))
+        delay = rng.uniform(low, high)
         process = subprocess.Popen(pfl_run_command() + [spec, "--quiet"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
         time.sleep(delay)
+        store_existed = store.exists()  # did the signal land after the store file appeared?
         process.send_signal(signal.SIGINT)
-        process.communicate()
-        interrupted_codes.append(process.returncode)
+        _, err = process.communicate()
         follow_up = run(pfl_run_command() + [spec, "--quiet"])
-        if follow_up.returncode != 0:
-            broken.append({"trial": trial, "delay_s": round(delay, 2), "interrupted rc": process.returncode,
-                           "follow-up rc": follow_up.returncode, "error": first_line(follow_up.stderr, 200)})
+        signals.append({"trial": trial, "delay_s": round(delay, 2), "store existed": store_existed,
+                        "interrupted rc": process.returncode, "interrupted said": first_line(err, 200),
+                        "follow-up rc": follow_up.returncode, "follow-up said": first_line(follow_up.stderr, 200)})
     return {"started at once": f"{succeeded} of {processes * trials} exit 0", "failures": failures,
-            "SIGINT trials": signal_trials, "interrupted exit codes": interrupted_codes,
-            "stores left unusable": len(broken), "unusable": broken}
+            "SIGINT window s": [low, high], "SIGINT trials": signals,
+            "signalled after the store file appeared": sum(t["store existed"] for t in signals),
+            "interrupted run exited 0 (signal not honoured)": sum(t["interrupted rc"] == 0 for t in signals),
+            "stores left unusable": sum(t["follow-up rc"] != 0 for t in signals)}
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -370,7 +380,7 @@ def print_figures(figures: dict) -> None:
         print(f"\n== kill matrix (timing metrics left out of the comparison: {', '.join(kill['timing metrics left out'])})")
         print(f"  {'kill point':44} {'resume by':9} {'kill rc':>7} {'resume rc':>9}  {'FINISHED':8}  metrics vs uninterrupted")
         for row in kill["rows"]:
-            result = row.get("result") or f"{str(row['finished']):8}  {row['metrics']}"
+            result = row.get("result") or f"{row['finished']!s:8}  {row['metrics']}"
             print(f"  {row['kill point']:44} {row['resume by']:9} {row['kill rc']:>7} {row.get('resume rc', '-'):>9}  {result}")
             if row.get("message"):
                 print(f"  {'':44}   resume said: {row['message']}")
@@ -379,10 +389,13 @@ def print_figures(figures: dict) -> None:
         print(f"\n== concurrency: {conc['started at once']}")
         for line, n in conc["failures"].items():
             print(f"  {n} x {line}")
-        print(f"  SIGINT during store creation: {conc['stores left unusable']} of {conc['SIGINT trials']} stores "
-              f"left unusable (interrupted exit codes {conc['interrupted exit codes']})")
-        for case in conc["unusable"]:
-            print(f"  {case}")
+        print(f"  SIGINT {conc['SIGINT window s'][0]}..{conc['SIGINT window s'][1]} s after start: "
+              f"{conc['stores left unusable']} of {len(conc['SIGINT trials'])} stores left unusable; "
+              f"{conc['signalled after the store file appeared']} signals landed after the store file appeared; "
+              f"{conc['interrupted run exited 0 (signal not honoured)']} interrupted runs exited 0")
+        for t in conc["SIGINT trials"]:
+            print(f"  {t['delay_s']:5.2f} s store {'existed' if t['store existed'] else 'absent '} rc {t['interrupted rc']:>3} "
+                  f"{t['interrupted said'][:70]!r} -> follow-up rc {t['follow-up rc']} {t['follow-up said'][:90]!r}")
 
 
 def main() -> int:
@@ -395,6 +408,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=8, help="pfl-run started at once (N)")
     parser.add_argument("--trials", type=int, default=3, help="times N are started at once (T)")
     parser.add_argument("--signal-trials", type=int, default=10, help="SIGINT-during-creation trials (K)")
+    parser.add_argument("--signal-window", default="0.5,4.0", help="SIGINT delay range in seconds, LOW,HIGH")
     parser.add_argument("--seed", type=int, default=0, help="seed of the SIGINT delays")
     args = parser.parse_args()
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="pfl-reliability-"))).resolve()
@@ -414,8 +428,9 @@ def main() -> int:
         elif part == "kill":
             figures["kill"] = part_kill(workdir, [int(r) for r in args.checkpoint_rounds.split(",") if r])
         else:
+            window = tuple(float(x) for x in args.signal_window.split(","))
             figures["concurrency"] = part_concurrency(workdir, args.processes, args.trials, args.signal_trials,
-                                                      args.seed)
+                                                      window, args.seed)
         print(f"[{part} took {time.perf_counter() - started:.0f} s]", file=sys.stderr)
     figures["source at end"] = source_fingerprint(Path(pfl_core.__file__).parent)
     print_figures(figures)

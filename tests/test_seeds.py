@@ -85,6 +85,44 @@ def test_the_paired_p_is_the_t_test_of_the_differences_by_hand():
     assert math.isnan(stats.paired_difference([0.5], [0.4]).p)  # one seed: no test
 
 
+def test_the_edges_of_the_statistics():
+    assert stats.summarize([]).n == 0 and math.isnan(stats.summarize([]).mean)
+    two = stats.summarize([0.5, 0.7])  # two values: an interval (t with 1 degree of freedom)
+    assert two.ci95 == pytest.approx(12.706205 * two.std / math.sqrt(2), rel=1e-6)
+    assert math.isnan(stats.summarize([0.5, 0.7]).p)  # a summary is not a test; only differences are
+    # equal differences on every seed: p 0 for a nonzero mean, 1 for none at all
+    assert stats.paired_difference([0.6, 0.7], [0.5, 0.6]).p == 0.0
+    assert stats.paired_difference([0.5, 0.6], [0.5, 0.6]).p == 1.0
+    # two seeds test too: differences 0.02, 0.04, t = 0.03 / (0.01414 / sqrt 2) = 3 with one degree of
+    # freedom (Cauchy): p = 1 - 2 atan(t) / pi
+    d = stats.paired_difference([0.52, 0.54], [0.50, 0.50])
+    assert d.p == pytest.approx(1 - 2 * math.atan(3) / math.pi, rel=1e-9)
+    at_alpha = stats.Summary(0.1, 0.1, 0.1, 3, p=0.05, p_adjusted=0.05)
+    assert not at_alpha.significant  # "below 0.05"
+    touching = stats.Summary(0.1, 0.1, 0.1, 3)  # low = 0 exactly: the interval does not exclude 0
+    assert not touching.excludes_zero and not stats.Summary(-0.1, 0.1, 0.1, 3).excludes_zero
+
+
+def test_the_gains_are_a_family_each_over_the_runs():
+    from pfl_core.study.compare import adjust_gains, paired
+
+    def with_gains(name, p_best, p_local):
+        point = _point(name, [0, 1, 2], [0.8, 0.8, 0.8])
+        point.summary["gain_vs_best_reference"] = stats.Summary(0.1, 0.1, 0.1, 3, p=p_best, p_adjusted=p_best)
+        point.summary["gain_vs_local"] = stats.Summary(0.1, 0.1, 0.1, 3, p=p_local, p_adjusted=p_local)
+        return point
+
+    results = [with_gains("a", 0.01, 0.02), with_gains("b", 0.04, 0.03), _point("c", [0, 1, 2], [0.8, 0.8, 0.8])]
+    adjust_gains(results, "holm")
+    assert [r.summary["gain_vs_best_reference"].p_adjusted for r in results[:2]] == pytest.approx([0.02, 0.04])
+    assert [r.summary["gain_vs_local"].p_adjusted for r in results[:2]] == pytest.approx([0.04, 0.04])
+    assert "gain_vs_local" not in results[2].summary
+    # a metric only one side has: nothing to pair
+    ref = _point("ref", [0, 1, 2], [0.7, 0.7, 0.7])
+    del ref.summary["acc_mean"]
+    assert paired(results[2], ref, "acc_mean") is None
+
+
 def test_holm_adjusts_by_hand():
     def with_p(p):
         return stats.Summary(0.1, 0.1, 0.1, 3, p=p, p_adjusted=p)
@@ -207,6 +245,7 @@ def test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees(t
         assert m["delta_acc_mean"] == pytest.approx(expected.mean)
         assert m["delta_acc_mean_ci95"] == pytest.approx(expected.ci95)
         if not math.isnan(expected.p):
+            assert m["delta_acc_mean_p"] == pytest.approx(expected.p)
             assert m["delta_acc_mean_p_adjusted"] == pytest.approx(expected.p_adjusted)
             assert float(rows[(name, "acc_mean")]["p_adjusted"]) == pytest.approx(expected.p_adjusted, abs=1e-5)
         assert float(rows[(name, "acc_mean")]["mean"]) == pytest.approx(expected.mean, abs=1e-5)
