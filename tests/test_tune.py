@@ -69,7 +69,7 @@ MISSING_DATA = {"data.name": "npz", "data.params": {"path": "/nonexistent/never.
     ({"tune.metric": "acc_mean"}, "tune.metric", "test split"),
     ({"tune.space": {"algorithm.params.mu": {"choices": [0.1, 1.0]}}}, "tune.space.algorithm.params.mu", "fedavg"),
     ({"tune.method": {"fedprx": {"algorithm.params.mu": {"choices": [0.1]}}}}, "tune.method.fedprx",
-     "no point of this spec runs"),
+     "did you mean 'fedprox'"),
     ({"tune.sampler": "grid"}, "tune.sampler", "needs choices for every key"),
     ({"partition.val_fraction": 0.0}, "partition.val_fraction", "validation split"),
     ({"tune.space": {"training.momentum": {"low": 0.5, "high": 1.5}}}, "tune.space.training.momentum", "1.5"),

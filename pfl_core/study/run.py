@@ -46,11 +46,11 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     notes: list[str] = []
     raw = apply_overrides(load_toml(path), overrides, sweeps, no_sweep, notes)
     points = resolve_points(raw, [], notes=notes)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
     names = run_names(points)
     check_compare_to(points, names)
-    plans = plan_tuning(points, names)  # [tune]: each point's space, checked before any data loads
+    plans = plan_tuning(points, names, notes)  # [tune]: each point's space, checked before any data loads
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     references = reference_points(points)
     check_size(points, references, dry_run, yes, plans)
     stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}

@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 
+from pfl_core import registry
 from pfl_core.data.federated import DataCache
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError, SpecError, Stopped
@@ -144,21 +145,25 @@ class TuningPlan:
     name: str
     space: list[Dimension]
     seeds: list[int]
+    ran: int | None = None  # trials that ran to the end or were pruned, once tuned
 
 
-def plan_tuning(points: list[Point], names: list[str]) -> list[TuningPlan] | None:
-    """Each point's tuning, checked before any data loads (None: the spec has no ``[tune]``)."""
+def plan_tuning(points: list[Point], names: list[str], notes: list[str] | None = None) -> list[TuningPlan] | None:
+    """Each point's tuning, checked before any data loads (None: the spec has no ``[tune]``).
+    A ``tune.method`` entry for an installed method no point runs (``--no-sweep``, ``--set
+    algorithm.name=...``) is a note; one for a name no plugin has is an error (a typo)."""
     tune = points[0].resolved.spec.tune
     if tune is None:
         return None
     shared = parse_space(tune.space, "tune.space")
     algorithms = [p.resolved.spec.algorithm.name for p in points]
     for name in tune.method:
-        if name not in algorithms:
-            raise SpecError(f"tune.method.{name}", f"no point of this spec runs {name!r} (its methods: "
-                                                   f"{', '.join(dict.fromkeys(algorithms))})")
+        registry.resolve(registry.ALGORITHM, name, f"tune.method.{name}")
         if not isinstance(tune.method[name], dict):
             raise SpecError(f"tune.method.{name}", f"expected a table of dotted.key = {EXAMPLE}")
+        if name not in algorithms and notes is not None:
+            notes.append(f"tune.method.{name}: no point of this run uses {name!r} (its methods: "
+                         f"{', '.join(dict.fromkeys(algorithms))}); its space is not used")
     plans = []
     for point, name in zip(points, names):
         algorithm = point.resolved.spec.algorithm.name
@@ -274,10 +279,11 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
     try:
         objective = functools.partial(_objective, plan=plan, tracking_uri=tracking_uri, quiet=quiet,
                                       data_cache=data_cache, counter=counter, parent_run_id=parent.run_id)
-        study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
-                       callbacks=[_grid_done] if tune.sampler == "grid" else None)
+        # a grid smaller than tune.trials ends early: Optuna's GridSampler stops when it is done
+        study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=())
         tuned = _best(study, plan)
         tuned.run_id = parent.run_id
+        plan.ran = tuned.complete + tuned.pruned
         parent.log_metrics({"best_objective": tuned.objective, "trials_complete": float(tuned.complete),
                             "trials_pruned": float(tuned.pruned)}, step=0)
         for key, value in tuned.values.items():
@@ -381,16 +387,6 @@ def _pruner(tune):
     return optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=0)
 
 
-def _grid_done(study, trial) -> None:
-    """A grid smaller than ``tune.trials`` ends when every combination ran."""
-    import optuna
-
-    grid = study.sampler._all_grids if hasattr(study.sampler, "_all_grids") else None
-    ran = [t for t in study.trials if t.state != optuna.trial.TrialState.FAIL]
-    if grid is not None and len(ran) >= len(grid):
-        study.stop()
-
-
 def _best(study, plan: TuningPlan) -> Tuned:
     import optuna
 
@@ -420,5 +416,7 @@ def values_text(values: dict[str, Any]) -> str:
 def describe(plans: list[TuningPlan]) -> str:
     """``tuned: 20 trials each on val_acc_mean (final), seeds [5]`` for the table's header."""
     tune = plans[0].point.resolved.spec.tune
-    return (f"tuned: {tune.trials} trials each on {tune.metric} ({tune.objective}), {tune.sampler} sampler, "
-            f"tuning seeds {plans[0].seeds}")
+    counts = [tune.trials if p.ran is None else p.ran for p in plans]
+    trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
+              "trials: " + ", ".join(f"{p.name} {n}" for p, n in zip(plans, counts)))
+    return f"tuned: {trials} on {tune.metric} ({tune.objective}), {tune.sampler} sampler, tuning seeds {plans[0].seeds}"
