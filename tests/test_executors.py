@@ -337,7 +337,7 @@ def pfl_run(tmp_path, *overrides):
     args = [arg for override in overrides for arg in ("--set", override)]
     return subprocess.run([sys.executable, "-c", "import sys; from pfl_core.cli import run_main; "
                            "sys.exit(run_main(sys.argv[1:]))", str(spec), *args],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, cwd=tmp_path)
 
 
 def test_ray_unreachable_address_is_one_line_naming_the_key(local_ray, tmp_path):
@@ -376,10 +376,10 @@ def test_workers_die_with_a_killed_run(tmp_path):
     workers = [int(run.stdout.readline()) for _ in range(2)]
     run.kill()
     run.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and
-                                               "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
-                                               for pid in workers):
+    # no clock: the workers' death signal arrives with the parent's death; a worker that never
+    # dies keeps this loop (and the suite) waiting, which is the failure
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+              for pid in workers):
         time.sleep(0.1)
     alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")
              and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]

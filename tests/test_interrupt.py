@@ -1,6 +1,7 @@
 """Runs that survive (issue 12): Ctrl-C and SIGTERM end the MLflow runs KILLED, say in one line
 where the run stopped and where its results are, and exit 130 / 143."""
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -52,14 +53,12 @@ def test_a_signal_ends_the_runs_killed_with_one_line(tmp_path, sig, code, seeds)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(BIN / "pfl-run"), write_spec(tmp_path, raw), "--out", str(tmp_path / "out")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 60
+    try:  # no clock: a loaded machine only makes the rounds slower
         while logged_rounds(db) < 2:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no round was logged"
             time.sleep(0.2)
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -78,21 +77,55 @@ def test_a_signal_ends_the_runs_killed_with_one_line(tmp_path, sig, code, seeds)
 # -- tracking stores that cannot be used: one line, exit 2, before any training -----------------
 
 
-def run_pfl(tmp_path, raw, *args, timeout=60):
-    started = time.monotonic()
+def run_pfl(tmp_path, raw, *args):
     proc = subprocess.run([str(BIN / "pfl-run"), write_spec(tmp_path, raw), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "loading" not in proc.stderr and "--" not in proc.stdout  # no training started
-    return proc.returncode, lines[0], time.monotonic() - started
+    return proc.returncode, lines[0]
+
+
+@contextlib.contextmanager
+def refusing_server():
+    """A local port that accepts each connection and closes it at once; yields (uri, count)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted = [0]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.close()
 
 
 @pytest.mark.parametrize("uri", ["http://127.0.0.1:9", "http://no-such-host.invalid:5000"])
 def test_an_unreachable_server_is_said_in_one_line_before_training(tmp_path, uri):
-    code, line, seconds = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True}), "--tracking-uri", uri)
+    code, line = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True}), "--tracking-uri", uri)
     assert code == 2 and uri in line and "cannot be reached" in line and "--no-tracking" in line, line
-    assert seconds < 15
+
+
+def test_the_server_probe_tries_once_not_for_minutes(tmp_path):
+    """MLflow's own client retries a failed request 7 times with back-off (minutes); the probe
+    before training makes one attempt (counted here, not timed)."""
+    with refusing_server() as (uri, accepted):
+        code, line = run_pfl(tmp_path, tiny_raw(**{"tracking.enabled": True}), "--tracking-uri", uri)
+    assert code == 2 and "cannot be reached" in line, line
+    assert accepted[0] == 1
 
 
 def foreign_db(path: Path) -> None:
@@ -108,7 +141,7 @@ def test_a_file_that_is_not_an_mlflow_store_is_refused_untouched(tmp_path, make)
     make(db)
     before = db.read_bytes()
     raw = tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"})
-    code, line, _ = run_pfl(tmp_path, raw)
+    code, line = run_pfl(tmp_path, raw)
     assert code == 2 and "tracking.uri" in line and "not an MLflow store" in line and "left as it is" in line, line
     assert db.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "spec.toml"]
@@ -124,7 +157,7 @@ def test_a_half_built_store_says_what_to_do(tmp_path):
     before = db.read_bytes()
     spec = tiny_raw(**{"tracking.enabled": True, "tracking.uri": f"sqlite:///{db}"})
     for dry in ([], ["--dry-run"]):  # a dry run says it too
-        code, line, _ = run_pfl(tmp_path, spec, *dry)
+        code, line = run_pfl(tmp_path, spec, *dry)
         assert code == 2 and "half-built MLflow store" in line and f"mv {db} {db}.half-built" in line, line
         assert db.read_bytes() == before
 
@@ -242,7 +275,7 @@ def test_runs_started_at_once_on_a_new_store_all_succeed(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([str(BIN / "pfl-run"), spec, "--quiet"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
-    outcomes = [(proc.wait(timeout=900), proc.stderr.read()) for proc in procs]
+    outcomes = [(proc.wait(), proc.stderr.read()) for proc in procs]
     assert [code for code, _ in outcomes] == [0, 0, 0, 0], outcomes
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         assert con.execute("select status, count(*) from runs group by status").fetchall() == [("FINISHED", 4)]

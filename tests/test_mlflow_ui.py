@@ -79,7 +79,7 @@ def pictures(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), "--spec", str(spec), "--dump-dom",
          "--window-size", "{},{}".format(*CHART_WINDOW), "--compare-window-size", "{},{}".format(*COMPARE_WINDOW)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # It says where the pictures are.
     for name in (mlflow_screenshots.CHART_PICTURE, mlflow_screenshots.COMPARE_PICTURE):

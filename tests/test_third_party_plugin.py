@@ -65,7 +65,7 @@ def _install(site: Path, work: Path) -> None:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
              "--no-index", "--target", str(site), str(source)],
-            check=True, capture_output=True, text=True, timeout=120,
+            check=True, capture_output=True, text=True,
         )
         return
     project = tomllib.loads((source / "pyproject.toml").read_text())["project"]
@@ -110,7 +110,7 @@ def test_pfl_run_discovers_installed_plugin(site, tmp_path):
     spec = tmp_path / "spec.toml"
     spec.write_text(TINY_TOML)
     proc = subprocess.run([_script("pfl-run"), str(spec), "--no-tracking", "--clients"], cwd=tmp_path, env=_env(site),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "== fedavgm: per-client results (test split) ==" in proc.stdout
     table = proc.stdout.split("per-client results (test split) ==")[1].splitlines()
@@ -122,7 +122,7 @@ def test_pfl_run_discovers_installed_plugin(site, tmp_path):
 
 def test_pfl_plugins_lists_package_version_and_hook(site, tmp_path):
     proc = subprocess.run([_script("pfl"), "plugins"], cwd=tmp_path, env=_env(site),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split(None, 4) for line in proc.stdout.splitlines()]
     row = next(r for r in rows if r[0] == "fedavgm")
@@ -136,7 +136,7 @@ def test_bad_param_is_one_line_exit_2(site, tmp_path):
     spec.write_text(TINY_TOML)
     proc = subprocess.run([_script("pfl-run"), str(spec), "--no-tracking", "--dry-run",
                            "--set", "algorithm.params.beta=1.0"],
-                          cwd=tmp_path, env=_env(site), capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=_env(site), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "pfl-run: error: algorithm.params.beta: must be in [0, 1), got 1.0"

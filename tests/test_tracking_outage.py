@@ -85,7 +85,7 @@ def server(tmp_path_factory):
         patch.setenv(name, value)
     server.start()
     # The first request creates the store's tables (seconds): before any run, with time to do it.
-    requests.get(f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=300).raise_for_status()
+    requests.get(f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1").raise_for_status()
     shutil.copyfile(server.db, folder / "empty.db")  # an empty store for the reference run
     server.empty_store = folder / "empty.db"
     yield server
