@@ -208,6 +208,17 @@ def copy_repository(into: Path) -> Path:
     return into
 
 
+SUBPROCESS_SITE = """\
+import importlib.util, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, "__module__", "")).startswith("__editable__")]
+_spec = importlib.util.spec_from_file_location("pfl_plugins", "{copy}/plugins/__init__.py",
+                                               submodule_search_locations=["{copy}/plugins"])
+_module = importlib.util.module_from_spec(_spec)
+sys.modules["pfl_plugins"] = _module
+_spec.loader.exec_module(_module)
+"""
+
+
 def run_tests_in_child(copy: Path, tests: list[str], timeout: float) -> tuple[str, float]:
     """Fork; the child imports the (possibly mutated) copy and runs ``tests``. Returns
     ("passed" | "failed" | "timeout", seconds)."""
@@ -218,6 +229,13 @@ def run_tests_in_child(copy: Path, tests: list[str], timeout: float) -> tuple[st
             sys.dont_write_bytecode = True  # a stale .pyc of another mutant must never load
             os.chdir(copy)
             sys.path.insert(0, str(copy))
+            # a test's own subprocess (pfl-run in a child interpreter) imports the copy too: its
+            # sitecustomize drops the editable install's finder, which would find the checkout
+            site = copy / "_mutation_site"
+            site.mkdir(exist_ok=True)
+            (site / "sitecustomize.py").write_text(SUBPROCESS_SITE.format(copy=str(copy)))
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(copy),
+                                                                     os.environ.get("PYTHONPATH")]))
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
