@@ -12,11 +12,17 @@ kill         SIGKILL as round R starts, before / during / after the checkpoint o
              of an uninterrupted run value for value (timing metrics, which differ between two
              uninterrupted runs, are left out and named).
 concurrency  N ``pfl-run`` started at once on one new SQLite store (T times), and K runs sent SIGINT
-             0.5..4.0 s after start (store creation), each followed by one more run on that store.
+             0.5..4.0 s after start (--signal-window), each followed by one more run on that store;
+             whether the store file existed when the signal was sent is recorded (on a slow machine
+             the store appears only 4-7 s after start: widen the window to hit its creation).
 
 Commands (run one after the other; the machine is small):
     /tmp/baseline/.venv/bin/python benchmarks/reliability.py --part all --json /tmp/rel_before.json
     /work/main/.venv/bin/python benchmarks/reliability.py --part all --json /tmp/rel_after.json
+    PYTHON benchmarks/reliability.py --part concurrency --trials 0 --signal-window 3.0,7.0
+The tree measured may be edited meanwhile: the figures name a hash of its source at the start and
+the end. To measure one commit of an editable install, put an exported copy first on PYTHONPATH
+(with ``pfl_plugins`` linked to its ``plugins``); the children inherit it.
 """
 
 from __future__ import annotations

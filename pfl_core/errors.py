@@ -79,6 +79,30 @@ def deferred_interrupts():
             raise Interrupted(signum)
 
 
+# The signal the command line's handler turned into Interrupted, and whether that exception
+# reached a handler: one raised inside a callback whose exceptions Python drops (a weakref's, as
+# SQLAlchemy registers; a __del__) never does, and the run went on to exit 0. The engine asks
+# ``raise_lost_interrupt`` between rounds.
+_signal = {"signum": None, "seen": False}
+
+
+def note_signal(signum: int | None) -> None:
+    """A signal is being raised as Interrupted (None: forget any, at the start of a command)."""
+    _signal.update(signum=signum, seen=False)
+
+
+def interrupt_seen() -> None:
+    """The Interrupted of the noted signal reached a handler."""
+    _signal["seen"] = True
+
+
+def raise_lost_interrupt() -> None:
+    """Raise Interrupted again for a noted signal whose exception no handler saw (it was dropped)."""
+    if _signal["signum"] is not None and not _signal["seen"]:
+        _signal["seen"] = True
+        raise Interrupted(_signal["signum"])
+
+
 def defer_interrupt(signum: int) -> bool:
     """True (and the signal held) inside ``deferred_interrupts``; False: raise it now."""
     if _deferral["depth"] == 0:

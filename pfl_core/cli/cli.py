@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Sequence
 
-from pfl_core.errors import Interrupted, PflError, defer_interrupt
+from pfl_core.errors import Interrupted, PflError, defer_interrupt, note_signal
 
 EXIT_USAGE = 2
 EXIT_TRACKING_PENDING = 3  # finished; the tracking server missed some of it (kept in journals)
@@ -143,12 +143,14 @@ def _stop(signum, frame):
     second signal during that clean-up is ignored, so nothing is left half-written."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    note_signal(signum)  # if the exception below is dropped, the engine raises it between rounds
     if defer_interrupt(signum):  # in the middle of a tracking store call: raised when it is done
         return
     raise Interrupted(signum)
 
 
 def _catch_signals() -> dict | None:
+    note_signal(None)
     try:
         return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: leave Python's defaults

@@ -13,7 +13,14 @@ import torch
 
 from pfl_core import registry
 from pfl_core.data.federated import DataCache, build_federated_data
-from pfl_core.errors import Interrupted, NonFiniteError, PflError, SpecError
+from pfl_core.errors import (
+    Interrupted,
+    NonFiniteError,
+    PflError,
+    SpecError,
+    interrupt_seen,
+    raise_lost_interrupt,
+)
 from pfl_core.execution.planner import make_executor, plan
 from pfl_core.payload import nbytes
 from pfl_core.registry import Plugin
@@ -292,6 +299,8 @@ class Engine:
             result.seconds = time.perf_counter() - started
             return result
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                interrupt_seen()
             status = run_status(exc)  # Ctrl-C / SIGTERM: KILLED, not FAILED
             if isinstance(exc, Interrupted) and exc.round is None:  # where it stopped, for the one line
                 exc.round, exc.rounds, exc.run_name = checkpoint.round_in_progress(self), spec.experiment.rounds, self.run_name
@@ -321,6 +330,7 @@ class Engine:
             progress.update(done)
         try:
             for round in range(done + 1, spec.experiment.rounds + 1):
+                raise_lost_interrupt()  # a Ctrl-C whose exception a callback dropped stops here
                 ctx.round_metrics = {}
                 started = time.perf_counter()
                 self.run_round(ctx, round)
@@ -352,6 +362,7 @@ class Engine:
             close = getattr(progress, "close", None)  # a stand-in progress may have none
             if close is not None:
                 close()
+        raise_lost_interrupt()
         final = dict(history[-1]) if history else {}
         for extra in ctx.hooks.on_finish(ctx=ctx):
             if extra:
