@@ -227,3 +227,35 @@ def test_parallel_trials_nest_under_their_tuning_run(tmp_path, monkeypatch):
     trials = [r for r in runs if "pfl.tune.trial" in r.data.tags]
     # MLflow's active run is per thread: the trials of the second thread name their parent themselves
     assert len(trials) == 4 and all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in trials)
+
+
+def test_the_objective_the_header_and_where_the_storage_is():
+    from pfl_core.study.points import resolve_points
+    from pfl_core.study.tune import describe, objective_value, plan_tuning, storage_url
+
+    history = [{"round": 1, "val_loss_mean": 0.9, "val_acc_mean": 0.5}, {"round": 2, "val_acc_mean": 0.7},
+               {"round": 3, "val_loss_mean": 0.4, "val_acc_mean": 0.6}]
+    assert objective_value(history, "val_acc_mean", "final", "maximize") == 0.6  # the last evaluation
+    assert objective_value(history, "val_acc_mean", "best", "maximize") == 0.7
+    assert objective_value(history, "val_loss_mean", "best", "minimize") == 0.4
+    assert objective_value(history, "val_loss_mean", "final", "minimize") == 0.4  # rounds without it skipped
+    plans = plan_tuning(resolve_points(tune_raw(trials=7, **{"tracking.enabled": True}), []), ["fedavg", "fedprox"])
+    assert describe(plans).startswith("tuned: 7 trials each on val_acc_mean (final), tpe sampler, tuning seeds [2]")
+    plans[1].ran = 5  # a grid that ended early
+    assert describe(plans).startswith("tuned: trials: fedavg 7, fedprox 5 on val_acc_mean")
+    # beside the MLflow store the run uses (--tracking-uri over the spec's), else here
+    assert storage_url(plans[0].point, "sqlite:////data/store/mlflow.db") == "sqlite:////data/store/optuna.db"
+    point = resolve_points(tune_raw(**{"tracking.uri": "sqlite:////elsewhere/m.db", "tracking.enabled": True}), [])[0]
+    assert storage_url(point, None) == "sqlite:////elsewhere/optuna.db"
+    assert storage_url(point, "sqlite:////data/m.db") == "sqlite:////data/optuna.db"
+    untracked = resolve_points(tune_raw(**{"tracking.uri": "sqlite:////elsewhere/m.db"}), [])[0]
+    assert storage_url(untracked, None) == f"sqlite:///{Path.cwd() / 'optuna.db'}"  # without tracking: here
+
+
+def test_the_grid_sampler_tries_every_choice_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = tune_raw(trials=6, sweep=None, space={"training.lr": {"choices": [0.01, 0.05, 0.2]}},
+                   **{"tune.sampler": "grid", "experiment.rounds": 1})
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=open(tmp_path / "o.txt", "w"))
+    (trials,) = trials_of(tmp_path / "optuna.db").values()
+    assert sorted(t.params["training.lr"] for t in trials) == [0.01, 0.05, 0.2]  # stopped when the grid was done
