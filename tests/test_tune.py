@@ -174,6 +174,10 @@ def test_the_median_pruner_stops_trials_and_their_runs_say_so(tmp_path, monkeypa
             assert max(t.intermediate_values) < 4  # stopped before its last round
         else:
             assert run.info.status == "FINISHED" and run.data.metrics["tune_objective"] == pytest.approx(t.value)
+            # a trial's metrics are held and sent together: every round reaches the store, in order
+            history = MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "val_acc_mean")
+            assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3, 4]
+            assert history[-1].value == pytest.approx(t.value)  # objective "final": the last round's
 
 
 KILL_AT_TRIAL = """
@@ -259,3 +263,13 @@ def test_the_grid_sampler_tries_every_choice_once(tmp_path, monkeypatch):
     run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=open(tmp_path / "o.txt", "w"))
     (trials,) = trials_of(tmp_path / "optuna.db").values()
     assert sorted(t.params["training.lr"] for t in trials) == [0.01, 0.05, 0.2]  # stopped when the grid was done
+
+
+def test_held_metrics_that_the_store_misses_are_journaled_as_metric_records(tmp_path):
+    from pfl_core.tracking import journal
+
+    records = [{"op": "metrics", "run_id": "r", "step": step, "timestamp": step, "metrics": {"acc": 0.1 * step}}
+               for step in (1, 2, 3)]
+    folder = journal.Journal(tmp_path / "j", "sqlite:///x.db")
+    folder.add({"op": "metric_batch", "run_id": "r", "records": records})
+    assert folder.records() == records  # the journal's own format, replayed like any metrics

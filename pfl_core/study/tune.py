@@ -51,6 +51,9 @@ from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
 STORAGE_FILE = "optuna.db"
 PRUNER_STARTUP_TRIALS = 5  # trials that run whole before the median pruner stops any
+# A trial's metrics reach MLflow in one write at most this often (a write per round cost a short
+# trial a tenth of its time); a trial has no checkpoint a kill could leave ahead of them.
+TRIAL_METRICS_EVERY_S = 10.0
 
 
 @attrs.frozen
@@ -203,6 +206,8 @@ def trial_point(point: Point, values: dict[str, Any], seed: int | None, tags: di
     run on that seed (else the point's own seeds). Returns its Resolved."""
     raw = tuned_raw(point, values)
     raw.setdefault("evaluation", {})["validation"] = True
+    if seed is not None:  # a trial: a killed tuning runs it again from the start, never resumes it
+        raw.setdefault("checkpoint", {})["enabled"] = False
     if seed is not None:
         experiment = raw.setdefault("experiment", {})
         experiment["seed"] = seed
@@ -311,6 +316,8 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
         resolved = trial_point(plan.point, values, seed, {"pfl.tune.trial": str(trial.number)})
         tracker = make_tracker(spec.tracking, tracking_uri)
         tracker.parent_run_id = parent_run_id
+        if hasattr(tracker, "metrics_every_seconds"):
+            tracker.metrics_every_seconds = TRIAL_METRICS_EVERY_S
 
         def report(round: int, metrics: dict, first_step=i * spec.experiment.rounds, tracker=tracker) -> None:
             if tune.metric in metrics and not math.isnan(metrics[tune.metric]):

@@ -161,8 +161,10 @@ class Journal:
                 record["figure"].savefig(path)  # what MLflow's log_figure does with a matplotlib figure
             record = {"op": "artifact", "run_id": record["run_id"], "file": relative,
                       "artifact_path": directory or None}
+        # held metrics sent together (a metric_batch) are kept as the metric records they are
+        lines = record["records"] if op == "metric_batch" else [record]
         with open(self.records_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write("".join(json.dumps(line) + "\n" for line in lines))
 
     def records(self) -> list[dict]:
         """The records in order; a last line cut by a kill mid-write is left out."""
@@ -185,7 +187,7 @@ class Journal:
         sent = 0
         try:
             while sent < len(records):
-                group = _metrics_group(records, sent)
+                group = metrics_group(records, sent)
                 if group > 1:
                     send_metrics(client, records[sent:sent + group])
                 else:
@@ -206,7 +208,7 @@ class Journal:
         os.replace(tmp, self.records_file)
 
 
-def _metrics_group(records: list[dict], start: int) -> int:
+def metrics_group(records: list[dict], start: int) -> int:
     """How many records from ``start`` are metrics of the same run (one log_batch)."""
     first = records[start]
     if first["op"] != "metrics":
@@ -232,6 +234,8 @@ def send(client, record: dict, folder: Path | None = None) -> None:
     op, run_id = record["op"], record["run_id"]
     if op == "metrics":
         send_metrics(client, [record])
+    elif op == "metric_batch":
+        send_metrics(client, record["records"])
     elif op == "params":
         from mlflow.entities import Param
 

@@ -157,6 +157,12 @@ class MlflowTracker(NullTracker):
         # The run to nest under when it is not this thread's active run (MLflow keeps one stack
         # of active runs per thread): a tuning trial run in a worker thread.
         self.parent_run_id: str | None = None
+        # > 0: metrics are held and sent together at most this often (and before any other call),
+        # so a short run pays one store write for many rounds (a tuning trial, which has no
+        # checkpoint that a kill could leave ahead of its metrics)
+        self.metrics_every_seconds = 0.0
+        self._held: list[dict] = []
+        self._held_since = 0.0
 
     def _set_experiment(self, name: str) -> None:
         """Select (create) the experiment; a new one is a model-training experiment (MLflow 3's
@@ -258,8 +264,16 @@ class MlflowTracker(NullTracker):
             if not metrics:
                 return
         self.last_step = step
-        self._log({"op": "metrics", "step": int(step), "timestamp": journal.now_ms(),
-                   "metrics": {k: float(v) for k, v in metrics.items()}})
+        record = {"op": "metrics", "run_id": self.run_id, "step": int(step), "timestamp": journal.now_ms(),
+                  "metrics": {k: float(v) for k, v in metrics.items()}}
+        if self.metrics_every_seconds <= 0:
+            self._log(record)
+            return
+        if not self._held:
+            self._held_since = time.monotonic()
+        self._held.append(record)
+        if time.monotonic() - self._held_since >= self.metrics_every_seconds:
+            self._send_held()
 
     def log_text(self, text, filename):
         self._log({"op": "text", "text": text, "artifact_file": filename})
@@ -286,6 +300,8 @@ class MlflowTracker(NullTracker):
     def end(self, status="FINISHED"):
         if self.run_id is None:
             return
+        if self._held:
+            self._send_held()
         if self._journal_pending():  # one last replay before the status
             self._replay()
         end_time = journal.now_ms()
@@ -354,9 +370,21 @@ class MlflowTracker(NullTracker):
     def _journal_pending(self) -> bool:
         return self.journal is not None and self.journal.pending()
 
+    def _send_held(self) -> None:
+        """The held metrics, in as few log_batch calls as MLflow takes (journaled like any call
+        when the store is away)."""
+        held, self._held = self._held, []
+        start = 0
+        while start < len(held):
+            size = journal.metrics_group(held, start)
+            self._log({"op": "metric_batch", "run_id": held[start]["run_id"], "records": held[start:start + size]})
+            start += size
+
     def _log(self, record: dict) -> None:
         """Send one call to the store; while a journal holds calls (the store was away), the
         journal is replayed first when a retry is due, and the call joins it if that fails."""
+        if self._held and record["op"] != "metric_batch":
+            self._send_held()  # held metrics first: the store sees the calls in their order
         record.setdefault("run_id", self.run_id)
         if self._journal_pending():
             if time.monotonic() >= self.next_retry:
@@ -386,6 +414,8 @@ class MlflowTracker(NullTracker):
                            f"{self.journal.folder} cannot be written either ({error.strerror or error}); "
                            f"free space, then {self._resume_hint()}") from None
         self._retry_later(cost)
+        if record["op"] == "metric_batch":
+            record = record["records"][0]  # said by its first round
         if first:
             if record["op"] == "metrics" and record["run_id"] == self.run_id:
                 when = f"at round {record['step']}"
