@@ -262,9 +262,9 @@ class Tuned:
 
 
 def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: bool, data_cache: DataCache,
-               counter=None) -> Tuned:
+               counter=None, callbacks: list | None = None) -> Tuned:
     """Run the point's trials (those a killed tuning did not finish, with ``resume``) and return
-    its best configuration."""
+    its best configuration. ``callbacks``: Optuna's, called after each trial (benchmarks)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -285,7 +285,8 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         objective = functools.partial(_objective, plan=plan, tracking_uri=tracking_uri, quiet=quiet,
                                       data_cache=data_cache, counter=counter, parent_run_id=parent.run_id)
         # a grid smaller than tune.trials ends early: Optuna's GridSampler stops when it is done
-        study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=())
+        study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
+                       callbacks=callbacks)
         tuned = _best(study, plan)
         tuned.run_id = parent.run_id
         plan.ran = tuned.complete + tuned.pruned
