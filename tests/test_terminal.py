@@ -80,5 +80,5 @@ def test_quiet_prints_only_summaries_and_the_comparison(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[0].startswith("-- fedavg: acc_mean") and lines[1].startswith("-- local: acc_mean")
     assert lines[2].startswith("== comparison (same seed, same partition) ==")
-    assert lines[3].split() == ["run", "acc_mean", "acc_p10", "comm_up_bytes"]
+    assert lines[3].split() == ["run", "acc_mean", "acc_p10", "comm_up_bytes", "budget.private_epochs"]
     assert len(lines) == 6 and "tracking:" not in out

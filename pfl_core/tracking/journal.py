@@ -111,6 +111,18 @@ def reason(exc: BaseException) -> str:
     return found[-1].strip()[:160] if found else (text[:160] or type(exc).__name__)
 
 
+def failing(uri: str, still: bool = False) -> str:
+    """What a store that misses calls is: a server is unreachable; a SQLite file (locked, on a
+    full or read-only disk) cannot be written."""
+    if uri.startswith(("http://", "https://")):
+        return "is still unreachable" if still else "unreachable"
+    return "still cannot be written" if still else "cannot be written"
+
+
+def when_back(uri: str) -> str:
+    return "when the server is back" if uri.startswith(("http://", "https://")) else "when the store can be written again"
+
+
 def fallback_folder(tracking_uri: str, run_id: str) -> Path:
     """``pfl-journal/<run id>`` beside a SQLite store's file, else in the working directory."""
     return beside_store(tracking_uri) / FALLBACK_FOLDER / run_id

@@ -154,12 +154,9 @@ class MlflowTracker(NullTracker):
         self.next_retry = 0.0
         self.last_step: int | None = None
         self.refusal_said = False
-        # The run to nest under when it is not this thread's active run (MLflow keeps one stack
-        # of active runs per thread): a tuning trial run in a worker thread.
-        self.parent_run_id: str | None = None
-        # > 0: metrics are held and sent together at most this often (and before any other call),
-        # so a short run pays one store write for many rounds (a tuning trial, which has no
-        # checkpoint that a kill could leave ahead of its metrics)
+        self.parent_run_id: str | None = None  # when not this thread's active run (parallel trials)
+        # > 0: metrics held and sent together at most this often, and before any other call (a
+        # tuning trial: no checkpoint that a kill could leave ahead of its metrics)
         self.metrics_every_seconds = 0.0
         self._held: list[dict] = []
         self._held_since = 0.0
@@ -212,7 +209,7 @@ class MlflowTracker(NullTracker):
         except Exception as exc:  # a full or read-only disk under a SQLite store: no run to keep calls for
             if not journal.is_outage(exc):
                 raise
-            raise PflError(f"the {self._store()} {self._failing()} ({journal.reason(exc)}): run {run_name!r} "
+            raise PflError(f"the {self._store()} {journal.failing(self._uri())} ({journal.reason(exc)}): run {run_name!r} "
                            f"cannot be started; free space or fix tracking.uri / --tracking-uri, or run with "
                            f"--no-tracking") from None
         self.run_id = run.info.run_id
@@ -318,8 +315,8 @@ class MlflowTracker(NullTracker):
         if self._journal_pending():
             folder = self.journal.folder
             journal.UNSENT.append(folder)
-            self._say(f"the {self._store()} {self._failing(still=True)}: what run {self.run_id} could "
-                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it {self._when_back()} "
+            self._say(f"the {self._store()} {journal.failing(self._uri(), still=True)}: what run {self.run_id} could "
+                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it {journal.when_back(self._uri())} "
                       f"with: pfl replay {shlex.quote(str(folder))}")
         self.run_id = None
 
@@ -349,13 +346,6 @@ class MlflowTracker(NullTracker):
         uri = self._uri()
         return f"tracking server {uri}" if uri.startswith(("http://", "https://")) else f"tracking store {uri}"
 
-    def _failing(self, still: bool = False) -> str:
-        """What a store that misses calls is: a server is unreachable; a SQLite file (locked,
-        on a full or read-only disk) cannot be written."""
-        if self._uri().startswith(("http://", "https://")):
-            return "is still unreachable" if still else "unreachable"
-        return "still cannot be written" if still else "cannot be written"
-
     def _resume_hint(self) -> str:
         if self.journal_home is not None:  # it has a checkpoint folder
             from pfl_core.state.checkpoint import resume_line  # imports torch: only when needed
@@ -363,16 +353,11 @@ class MlflowTracker(NullTracker):
             return f"resume it from its last checkpoint: {resume_line(self.journal_home.parent, self.run_id, self._uri())}"
         return "run it again"
 
-    def _when_back(self) -> str:
-        return ("when the server is back" if self._uri().startswith(("http://", "https://"))
-                else "when the store can be written again")
-
     def _journal_pending(self) -> bool:
         return self.journal is not None and self.journal.pending()
 
     def _send_held(self) -> None:
-        """The held metrics, in as few log_batch calls as MLflow takes (journaled like any call
-        when the store is away)."""
+        """The held metrics in as few log_batch calls as MLflow takes (journaled if missed)."""
         held, self._held = self._held, []
         start = 0
         while start < len(held):
@@ -410,7 +395,7 @@ class MlflowTracker(NullTracker):
         try:
             self.journal.add(record)
         except OSError as error:  # the journal's disk is full or read-only too: nothing can keep the call
-            raise PflError(f"the {self._store()} {self._failing()} ({journal.reason(exc)}) and the journal "
+            raise PflError(f"the {self._store()} {journal.failing(self._uri())} ({journal.reason(exc)}) and the journal "
                            f"{self.journal.folder} cannot be written either ({error.strerror or error}); "
                            f"free space, then {self._resume_hint()}") from None
         self._retry_later(cost)
@@ -425,12 +410,12 @@ class MlflowTracker(NullTracker):
                 when = "before the first round"
             if self.run_id is None:  # logging to runs that ended (a sweep's gains): no end() to try again
                 journal.UNSENT.append(self.journal.folder)
-                self._say(f"{self._store()} {self._failing()} ({journal.reason(exc)}): metrics of run "
-                          f"{record['run_id']} kept in {self.journal.folder}; send them {self._when_back()} "
+                self._say(f"{self._store()} {journal.failing(self._uri())} ({journal.reason(exc)}): metrics of run "
+                          f"{record['run_id']} kept in {self.journal.folder}; send them {journal.when_back(self._uri())} "
                           f"with: pfl replay {shlex.quote(str(self.journal.folder))}")
                 return
             later = " or on --resume" if self.journal_home is not None else ""
-            self._say(f"{self._store()} {self._failing()} {when} ({journal.reason(exc)}): metrics kept in "
+            self._say(f"{self._store()} {journal.failing(self._uri())} {when} ({journal.reason(exc)}): metrics kept in "
                       f"{self.journal.folder}; they are replayed when it returns{later}")
 
     def _retry_later(self, cost: float) -> None:
