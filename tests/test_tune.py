@@ -87,7 +87,8 @@ def test_bad_tuning_input_is_one_line_naming_the_key_before_data_loads(tmp_path,
 # -- tuning finds what it should --------------------------------------------------------------
 
 
-def test_tuning_finds_the_learning_rate_that_learns_and_runs_the_point_at_it(tmp_path):
+def test_tuning_finds_the_learning_rate_that_learns_and_runs_the_point_at_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without tracking, Optuna's storage is in the working directory
     # 3 rounds at lr 1e-5 leave the model where it started; 0.3 fits the (linearly separable) domains
     raw = tune_raw(trials=2, sweep=None, space={"training.lr": {"choices": [0.00001, 0.3]}},
                    **{"tune.sampler": "grid", "tune.metric": "val_loss_mean", "tune.direction": "minimize"})
