@@ -89,3 +89,15 @@ def test_equal_budgets_give_no_warning(tmp_path, capsys):
     with open(tmp_path / "out.txt", "w") as fh:
         run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=fh)
     assert "differ by more than 10%" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("local_epochs", [1, 2])
+def test_apfl_steps_count_w_and_v_on_every_batch(local_epochs):
+    final, b = final_budget(**{"algorithm.name": "apfl", "training.local_epochs": local_epochs})
+    assert final["budget.private_steps"] == ROUNDS * b * local_epochs * 2
+
+
+@pytest.mark.parametrize("eval_steps", [1, 3])
+def test_perfedavg_adaptation_before_each_evaluation_is_fine_tuning(eval_steps):
+    final, _ = final_budget(**{"algorithm.name": "perfedavg", "algorithm.params.eval_steps": eval_steps})
+    assert final["budget.finetune_steps"] == ROUNDS * eval_steps  # every round is evaluated
