@@ -180,14 +180,20 @@ def test_a_read_only_out_is_one_line_before_anything_runs(tmp_path, capsys, disk
 # -- the tracking store ------------------------------------------------------------------------
 
 
-def test_a_read_only_store_is_refused_before_training_and_in_a_dry_run(tmp_path, capsys, disk):
+def store_with_one_run(tmp_path, capsys, disk):
+    """A new tmpfs holding a SQLite store with one finished run; returns (volume, uri, spec)."""
     volume = disk("16m")
     uri = f"sqlite:///{volume}/mlflow.db"
     spec = spec_file(tmp_path, **{"experiment.rounds": 1, "checkpoint.dir": str(tmp_path / "ck"),
                                   "tracking.enabled": True})
     assert run_main([spec, "--quiet", "--tracking-uri", uri]) == 0
-    before = (volume / "mlflow.db").read_bytes()
     capsys.readouterr()
+    return volume, uri, spec
+
+
+def test_a_read_only_store_is_refused_before_training_and_in_a_dry_run(tmp_path, capsys, disk):
+    volume, uri, spec = store_with_one_run(tmp_path, capsys, disk)
+    before = (volume / "mlflow.db").read_bytes()
     volume = read_only_view(volume, disk.mounted)
     uri = f"sqlite:///{volume}/mlflow.db"
     for extra in ([], ["--dry-run"]):
@@ -201,12 +207,7 @@ def test_a_read_only_store_is_refused_before_training_and_in_a_dry_run(tmp_path,
 
 
 def test_a_store_on_a_full_disk_is_one_line_before_training(tmp_path, capsys, disk):
-    volume = disk("16m")
-    uri = f"sqlite:///{volume}/mlflow.db"
-    spec = spec_file(tmp_path, **{"experiment.rounds": 1, "checkpoint.dir": str(tmp_path / "ck"),
-                                  "tracking.enabled": True})
-    assert run_main([spec, "--quiet", "--tracking-uri", uri]) == 0
-    capsys.readouterr()
+    volume, uri, spec = store_with_one_run(tmp_path, capsys, disk)
     fill(volume)
     code = run_main([spec, "--quiet", "--tracking-uri", uri])
     captured = capsys.readouterr()

@@ -258,7 +258,6 @@ class Tuned:
     objective: float
     complete: int
     pruned: int
-    run_id: str | None = None
 
 
 def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: bool, data_cache: DataCache,
@@ -288,7 +287,6 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
                        callbacks=callbacks)
         tuned = _best(study, plan)
-        tuned.run_id = parent.run_id
         plan.ran = tuned.complete + tuned.pruned
         parent.log_metrics({"best_objective": tuned.objective, "trials_complete": float(tuned.complete),
                             "trials_pruned": float(tuned.pruned)}, step=0)
