@@ -28,6 +28,16 @@ def numpy_rng(seed: int, purpose: str, round: int = 0, client: int = SERVER) -> 
     return np.random.default_rng(derive_seed(seed, purpose, round, client))
 
 
+def seed_torch(seed: int) -> None:
+    """``torch.manual_seed`` for the devices this machine has: the CPU generator, and CUDA's
+    where CUDA exists. ``torch.manual_seed`` also queues a lazy CUDA seeding with a captured
+    stack on a CUDA build without a GPU: 0.11 ms a call here, paid for every client of every
+    round (this: 0.003 ms). The CPU stream is the same either way."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
 def torch_generator(seed: int, purpose: str, round: int = 0, client: int = SERVER) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(derive_seed(seed, purpose, round, client))

@@ -45,6 +45,7 @@ from torch import nn
 from pfl_core.runtime.client import copy_payload, run_client
 from pfl_core.runtime.context import Client, ClientView
 from pfl_core.runtime.training import batch_order, batch_starts, mean_training_loss
+from pfl_core.seeding import seed_torch
 
 # ``local_train`` implementations that train with exactly one ``client.train()`` call with no
 # arguments and then only read the model (to keep or upload it).
@@ -279,7 +280,7 @@ def map_clients(fn: Callable, items: Iterable) -> Iterator:
     mu = proximal_coefficient(hooks)
     clients, starts, trainable, anchors, reports, before = [], [], [], [], [], []
     for task in tasks:
-        torch.manual_seed(view.seed_for("client", task.client_id))
+        seed_torch(view.seed_for("client", task.client_id))
         client = Client(replay_view, task.client_id, state=task.state)
         before.append(copy_payload(dict(client.state)) if task.skip else None)
         hooks.on_receive(ctx=replay_view, client=client, message=task.message)

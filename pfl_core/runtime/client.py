@@ -15,6 +15,7 @@ import torch
 
 from pfl_core.errors import NonFiniteError
 from pfl_core.runtime.context import Client
+from pfl_core.seeding import seed_torch
 
 
 @attrs.define
@@ -49,7 +50,7 @@ def run_client(view, task: ClientTask) -> ClientResult:
     """The client side of a round: receive, train, upload. Runs wherever the executor puts it,
     touching only the task (message and the client's state) and the read-only ``view``."""
     hooks = view.hooks
-    torch.manual_seed(view.seed_for("client", task.client_id))  # dropout etc.: order-independent
+    seed_torch(view.seed_for("client", task.client_id))  # dropout etc.: order-independent
     client = Client(view, task.client_id, state=task.state)
     before = copy_payload(dict(client.state)) if task.skip else None
     upload, train_loss, diverged = None, None, None

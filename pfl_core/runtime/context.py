@@ -145,7 +145,7 @@ class ModelBank:
     def initial_state(self, arch: str) -> dict[str, torch.Tensor]:
         if arch not in self._initial:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seeding.derive_seed(self.spec.experiment.seed, f"init:{arch}"))
+                seeding.seed_torch(seeding.derive_seed(self.spec.experiment.seed, f"init:{arch}"))
                 self._initial[arch] = clone_state(self._construct(arch))
         return self._initial[arch]
 

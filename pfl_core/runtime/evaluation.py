@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.runtime.context import Client
+from pfl_core.seeding import seed_torch
 
 
 @attrs.frozen
@@ -66,7 +67,7 @@ def coldstart_models(ctx, client) -> dict[str, nn.Module]:
     """``coldstart_personalize`` for one held-out client, under its cold-start seed: the
     server's broadcast to it (``ctx.broadcast``: bytes counted down), then the client-side hook
     with the client's own context."""
-    torch.manual_seed(ctx.seed_for("coldstart", client.id))
+    seed_torch(ctx.seed_for("coldstart", client.id))
     message = ctx.broadcast(client.id)
     return ctx.hooks.coldstart_personalize(ctx=client.ctx, client=client, message=message)
 

@@ -318,24 +318,27 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
         if hasattr(tracker, "metrics_every_seconds"):
             tracker.metrics_every_seconds = TRIAL_METRICS_EVERY_S
 
+        evaluated: list[dict] = []
+
         def report(round: int, metrics: dict, first_step=i * spec.experiment.rounds, tracker=tracker) -> None:
-            if tune.metric in metrics and not math.isnan(metrics[tune.metric]):
+            evaluated.append(metrics)
+            if tune.pruner != "none" and tune.metric in metrics and not math.isnan(metrics[tune.metric]):
                 trial.report(metrics[tune.metric], first_step + round)
                 if trial.should_prune():
                     tracker.set_tag("pfl.tune.state", "pruned")  # its run is still the active one
                     raise Pruned(f"trial {trial.number} pruned at round {round}")
+            if round == spec.experiment.rounds:  # always evaluated; logged now, it goes with the held metrics
+                score = objective_value(evaluated, tune.metric, tune.objective, tune.direction)
+                tracker.log_metrics_to(tracker.run_id, {"tune_objective": score})
+                tracker.set_tag("pfl.tune.state", "complete")
 
         try:
             run = Engine(resolved, tracker=tracker, progress=not quiet, run_name=label,
                          progress_label=counter.label(label) if counter else label,
-                         on_evaluated=report if tune.pruner != "none" else None, data_cache=data_cache,
-                         artifacts=False).run()
+                         on_evaluated=report, data_cache=data_cache, artifacts=False).run()
         except Pruned:
             raise optuna.TrialPruned() from None
-        score = objective_value(run.history, tune.metric, tune.objective, tune.direction)
-        scores.append(score)
-        tracker.log_metrics_to(run.run_id, {"tune_objective": score})
-        tracker.set_tag_to(run.run_id, "pfl.tune.state", "complete")
+        scores.append(objective_value(run.history, tune.metric, tune.objective, tune.direction))
     return float(sum(scores) / len(scores))
 
 

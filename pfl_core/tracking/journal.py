@@ -173,7 +173,7 @@ class Journal:
                 record["figure"].savefig(path)  # what MLflow's log_figure does with a matplotlib figure
             record = {"op": "artifact", "run_id": record["run_id"], "file": relative,
                       "artifact_path": directory or None}
-        # held metrics sent together (a metric_batch) are kept as the metric records they are
+        # held calls sent together (a metric_batch) are kept as the records they are
         lines = record["records"] if op == "metric_batch" else [record]
         with open(self.records_file, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(line) + "\n" for line in lines))
@@ -199,9 +199,9 @@ class Journal:
         sent = 0
         try:
             while sent < len(records):
-                group = metrics_group(records, sent)
+                group = batch_group(records, sent)
                 if group > 1:
-                    send_metrics(client, records[sent:sent + group])
+                    send_batch(client, records[sent:sent + group])
                 else:
                     send(client, records[sent], self.folder)
                 sent += group
@@ -220,34 +220,46 @@ class Journal:
         os.replace(tmp, self.records_file)
 
 
-def metrics_group(records: list[dict], start: int) -> int:
-    """How many records from ``start`` are metrics of the same run (one log_batch)."""
+BATCHED = ("metrics", "params", "tag")  # the calls one log_batch can carry together
+PARAMS_PER_BATCH = TAGS_PER_BATCH = 100  # MLflow's limits for one log_batch request
+
+
+def batch_group(records: list[dict], start: int) -> int:
+    """How many records from ``start`` are metrics, params and tags of the same run that one
+    log_batch takes (within MLflow's limits per request)."""
     first = records[start]
-    if first["op"] != "metrics":
+    if first["op"] not in BATCHED:
         return 1
-    end, count = start, 0
-    while (end < len(records) and records[end]["op"] == "metrics" and records[end]["run_id"] == first["run_id"]
-           and (end == start or count + len(records[end]["metrics"]) <= METRICS_PER_BATCH)):
-        count += len(records[end]["metrics"])
+    end, counts = start, {"metrics": 0, "params": 0, "tag": 0}
+    limits = {"metrics": METRICS_PER_BATCH, "params": PARAMS_PER_BATCH, "tag": TAGS_PER_BATCH}
+    while end < len(records) and records[end]["op"] in BATCHED and records[end]["run_id"] == first["run_id"]:
+        op = records[end]["op"]
+        size = len(records[end][op]) if op != "tag" else 1
+        if end > start and (counts[op] + size > limits[op] or sum(counts.values()) + size > METRICS_PER_BATCH):
+            break
+        counts[op] += size
         end += 1
     return end - start
 
 
-def send_metrics(client, records: list[dict]) -> None:
-    from mlflow.entities import Metric
+def send_batch(client, records: list[dict]) -> None:
+    """Metrics, params and tags records of one run in one log_batch."""
+    from mlflow.entities import Metric, Param, RunTag
 
-    metrics = [Metric(key, float(value), r["timestamp"], r["step"]) for r in records
+    metrics = [Metric(key, float(value), r["timestamp"], r["step"]) for r in records if r["op"] == "metrics"
                for key, value in r["metrics"].items()]
-    client.log_batch(records[0]["run_id"], metrics=metrics)
+    params = [Param(k, v) for r in records if r["op"] == "params" for k, v in r["params"].items()]
+    tags = [RunTag(r["key"], r["value"]) for r in records if r["op"] == "tag"]
+    client.log_batch(records[0]["run_id"], metrics=metrics, params=params, tags=tags)
 
 
 def send(client, record: dict, folder: Path | None = None) -> None:
     """Perform one tracking call (a record) with ``client``, an ``MlflowClient``."""
     op, run_id = record["op"], record["run_id"]
     if op == "metrics":
-        send_metrics(client, [record])
-    elif op == "metric_batch":
-        send_metrics(client, record["records"])
+        send_batch(client, [record])
+    elif op == "metric_batch":  # held metrics, params and tags
+        send_batch(client, record["records"])
     elif op == "params":
         from mlflow.entities import Param
 

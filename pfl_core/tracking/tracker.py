@@ -114,9 +114,6 @@ class NullTracker:
     def log_metrics_to(self, run_id: str | None, metrics: dict[str, float]) -> None:
         """Add metrics to a run that may already have ended (a sweep's gains, known last)."""
 
-    def set_tag_to(self, run_id: str | None, key: str, value: str) -> None:
-        """Tag a run that may already have ended (a tuning trial: complete or pruned)."""
-
     def keep_journal_in(self, folder) -> None:
         """The run's checkpoint folder (or None): where calls the store misses are kept."""
 
@@ -155,8 +152,8 @@ class MlflowTracker(NullTracker):
         self.last_step: int | None = None
         self.refusal_said = False
         self.parent_run_id: str | None = None  # when not this thread's active run (parallel trials)
-        # > 0: metrics held and sent together at most this often, and before any other call (a
-        # tuning trial: no checkpoint that a kill could leave ahead of its metrics)
+        # > 0: the run's metrics, params and tags held and sent together at most this often, and
+        # before any other call (a tuning trial: no checkpoint a kill could leave ahead of them)
         self.metrics_every_seconds = 0.0
         self._held: list[dict] = []
         self._held_since = 0.0
@@ -263,14 +260,7 @@ class MlflowTracker(NullTracker):
         self.last_step = step
         record = {"op": "metrics", "run_id": self.run_id, "step": int(step), "timestamp": journal.now_ms(),
                   "metrics": {k: float(v) for k, v in metrics.items()}}
-        if self.metrics_every_seconds <= 0:
-            self._log(record)
-            return
-        if not self._held:
-            self._held_since = time.monotonic()
-        self._held.append(record)
-        if time.monotonic() - self._held_since >= self.metrics_every_seconds:
-            self._send_held()
+        self._log(record)
 
     def log_text(self, text, filename):
         self._log({"op": "text", "text": text, "artifact_file": filename})
@@ -289,10 +279,6 @@ class MlflowTracker(NullTracker):
             return
         self._log({"op": "metrics", "run_id": run_id, "step": 0, "timestamp": journal.now_ms(),
                    "metrics": {k: float(v) for k, v in metrics.items()}})
-
-    def set_tag_to(self, run_id, key, value):
-        if run_id is not None:
-            self._log({"op": "tag", "run_id": run_id, "key": key, "value": str(value)})
 
     def end(self, status="FINISHED"):
         if self.run_id is None:
@@ -357,20 +343,27 @@ class MlflowTracker(NullTracker):
         return self.journal is not None and self.journal.pending()
 
     def _send_held(self) -> None:
-        """The held metrics in as few log_batch calls as MLflow takes (journaled if missed)."""
+        """The held calls in as few log_batch calls as MLflow takes (journaled if missed)."""
         held, self._held = self._held, []
         start = 0
         while start < len(held):
-            size = journal.metrics_group(held, start)
+            size = journal.batch_group(held, start)
             self._log({"op": "metric_batch", "run_id": held[start]["run_id"], "records": held[start:start + size]})
             start += size
 
     def _log(self, record: dict) -> None:
         """Send one call to the store; while a journal holds calls (the store was away), the
         journal is replayed first when a retry is due, and the call joins it if that fails."""
-        if self._held and record["op"] != "metric_batch":
-            self._send_held()  # held metrics first: the store sees the calls in their order
         record.setdefault("run_id", self.run_id)
+        if self.metrics_every_seconds > 0 and record["op"] in journal.BATCHED and record["run_id"] == self.run_id:
+            if not self._held:
+                self._held_since = time.monotonic()
+            self._held.append(record)  # with the params, the first write: one store write for a short trial
+            if time.monotonic() - self._held_since >= self.metrics_every_seconds:
+                self._send_held()
+            return
+        if self._held and record["op"] != "metric_batch":
+            self._send_held()  # held calls first: the store sees the calls in their order
         if self._journal_pending():
             if time.monotonic() >= self.next_retry:
                 self._replay()
