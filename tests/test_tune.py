@@ -274,3 +274,23 @@ def test_held_metrics_that_the_store_misses_are_journaled_as_metric_records(tmp_
     folder = journal.Journal(tmp_path / "j", "sqlite:///x.db")
     folder.add({"op": "metric_batch", "run_id": "r", "records": records})
     assert folder.records() == records  # the journal's own format, replayed like any metrics
+
+
+def test_reference_runs_stay_untuned_and_a_tuned_point_is_not_replaced_by_its_reference(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # lr 1e-5 does not learn in 3 rounds; the spec's own lr (0.00001 here) is what the reference runs at
+    raw = tune_raw(trials=2, sweep=("local", "fedavg"), space={"training.lr": {"choices": [0.00001, 0.3]}},
+                   **{"tune.sampler": "grid", "tune.metric": "val_loss_mean", "tune.direction": "minimize",
+                      "experiment.reference": ["local"], "training.lr": 0.00001})
+    out = tmp_path / "out.txt"
+    points = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out_dir=str(tmp_path / "o"),
+                           out=open(out, "w"))
+    by_name = {p.name: p for p in points}
+    assert set(by_name) == {"local", "fedavg", "local (reference)"}
+    tuned = tomllib.loads((tmp_path / "o" / "runs" / "local" / "tuned_spec.toml").read_text())
+    assert tuned["training"]["lr"] == 0.3 and not (tmp_path / "o" / "runs" / "local_reference" / "tuned_spec.toml").exists()
+    tuned_local = [r.final["acc_mean"] for r in by_name["local"].runs]
+    reference = [r.final["acc_mean"] for r in by_name["local (reference)"].runs]
+    assert tuned_local != reference  # the tuned point ran at 0.3, not as the reference run at 1e-5
+    text = out.read_text()
+    assert "local: tuned in 2 trials" in text and "tuned: 2 trials each" in text

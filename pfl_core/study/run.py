@@ -69,8 +69,10 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             print(f"# {describe(plans)}", file=out)
         return []
     check_every_point_builds([*points, *(ref for _, ref in references)])
-    # Which reference run each point is (None: its own runs), decided once.
-    reuses = [next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None) for point in points]
+    # Which reference run each point is (None: its own runs), decided once. A tuned point runs at
+    # its tuned configuration, never as the (untuned) reference run it looks like before tuning.
+    reuses = [None if plans else next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
+              for point in points]
     own_points = [p for p, reused in zip(points, reuses) if reused is None]
     # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
     top_level = len(references) + len(own_points)
