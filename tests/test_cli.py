@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from tiny import tiny_raw
 
 import pfl_core
@@ -263,3 +264,43 @@ def test_a_renamed_key_is_only_refused_where_the_new_key_exists(tmp_path, capsys
     code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--dry-run")
     line = one_line_error(err)
     assert code == 2 and "algorithm.params.split: unknown key" in line and "renamed" not in line, line
+
+
+@pytest.mark.parametrize("prog", ["pfl", "pfl-run"])
+def test_version_names_pfl_torch_and_mlflow(capsys, prog):
+    import mlflow
+    import torch
+
+    from pfl_core._version import __version__
+    from pfl_core.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        (main if prog == "pfl" else run_main)(["--version"])
+    line = capsys.readouterr().out.strip()
+    assert done.value.code == 0
+    assert line.startswith(f"{prog} {__version__} (")
+    assert f"torch {torch.__version__.split('+')[0]}" in line and f"mlflow {mlflow.__version__}" in line
+
+
+@pytest.mark.parametrize("where", ["base", "swept"])
+def test_a_per_method_parameter_in_a_sweep_shows_two_forms_that_work(tmp_path, capsys, where):
+    from tiny import tiny_raw
+
+    raw = tiny_raw()
+    raw["sweep"] = {"algorithm.name": ["fedavg", "fedprox"]}
+    if where == "base":
+        raw["algorithm"] = {"name": "fedavg", "params": {"mu": 0.5}}
+    else:
+        raw["sweep"]["algorithm.params.mu"] = [0.5, 1.0]
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--no-tracking", "--dry-run")
+    line = one_line_error(err)
+    assert code == 2 and "error: algorithm.params.mu: unknown key" in line
+    whole = line.split("[sweep] algorithm = ", 1)[1].split(", or use points = ")[0]
+    points = line.split("or use points = ", 1)[1].rsplit(" (docs/", 1)[0]
+    for form in (f"algorithm = {whole}", f"points = {points}"):  # each form, pasted into [sweep], runs
+        fixed = {k: v for k, v in raw.items() if k != "sweep"}
+        fixed["algorithm"] = {"name": "fedavg"}
+        fixed["sweep"] = tomllib.loads(form)
+        code, out, err = run_cli(capsys, write_spec(tmp_path, fixed, "fixed.toml"), "--no-tracking", "--dry-run")
+        assert code == 0, err
+        assert out.count("mu = 0.5") == 1 and out.count('name = "fedavg"') == 1, out

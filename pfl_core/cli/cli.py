@@ -52,6 +52,7 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                              "id, in the same MLflow run); with SPEC, the spec must be the run's. SPEC --resume "
                              "(no value): continue the spec's killed tuning ([tune]) without repeating a trial")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
+    parser.add_argument("--version", action="version", version=versions_line(prog))
     return parser
 
 
@@ -287,7 +288,7 @@ def docs_main(write: str | None, check: str | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="pfl", description="Personalized federated learning as plugins.")
-    parser.add_argument("--version", action="version", version=f"pfl {_version()}")
+    parser.add_argument("--version", action="version", version=versions_line("pfl"))
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed plugins, their versions and hooks; "
                                              "with NAME, one plugin's documentation")
@@ -330,10 +331,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-def _version() -> str:
+def versions_line(prog: str) -> str:
+    """``pfl-run 0.2.0 (torch 2.14.1, torchvision 0.29.1, mlflow 3.17.2, Python 3.11.7)``: what a
+    bug report needs, read from the installed distributions' metadata (nothing imported)."""
+    import platform
+    from importlib import metadata
+
     from pfl_core._version import __version__
 
-    return __version__
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    others = ", ".join(installed(name) for name in ("torch", "torchvision", "mlflow"))
+    return f"{prog} {__version__} ({others}, Python {platform.python_version()})"
 
 
 def _entry(fn) -> None:

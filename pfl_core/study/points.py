@@ -66,7 +66,10 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
     base = {k: v for k, v in raw.items() if k != "sweep"}
     expanded = expand_sweep(raw)  # validates the [sweep] table's shape
     if _sweeps_algorithm(raw.get("sweep", {})):
-        check_base_algorithm(base)
+        try:
+            check_base_algorithm(base)
+        except SpecError as exc:
+            raise SpecError(exc.path, exc.message + per_method_hint(raw, exc)) from None
     points = []
     for settings, point in expanded:
         try:
@@ -74,9 +77,36 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
         except SpecError as exc:
             if settings:  # say which sweep point broke
                 where = ", ".join(f"{k}={shown(v)}" for k, v in settings.items())
-                raise SpecError(exc.path, f"{exc.message} (sweep point {where})") from None
+                raise SpecError(exc.path, f"{exc.message} (sweep point {where}){per_method_hint(raw, exc)}") from None
             raise
     return points
+
+
+def per_method_hint(raw: dict, exc: SpecError) -> str:
+    """For a parameter one swept method lacks: the two ways to give each method its own
+    parameters, written with the spec's own methods and the key that failed."""
+    names = raw.get("sweep", {}).get("algorithm.name")
+    if not (isinstance(names, list) and len(names) > 1 and exc.path.startswith("algorithm.params.")
+            and "unknown key" in exc.message):
+        return ""
+    key = exc.path.removeprefix("algorithm.params.").split(".")[0]
+    swept = raw["sweep"].get(f"algorithm.params.{key}")
+    value = swept[0] if isinstance(swept, list) and swept else raw.get("algorithm", {}).get("params", {}).get(key, 0)
+    for name in names:  # the method that has the key
+        try:
+            registry.instantiate(registry.ALGORITHM, str(name), {key: value}, "algorithm.name", "algorithm.params")
+        except Exception:  # noqa: BLE001 - any refusal: not this one
+            continue
+        owner, others = str(name), [str(n) for n in names if n != name]
+        break
+    else:
+        owner, others = "METHOD", [str(n) for n in names]
+    own = f'{{ name = "{owner}", params = {{ {key} = {shown(value)} }} }}'
+    rest = ", ".join(f'{{ name = "{n}" }}' for n in others)
+    return (f"; parameters are not per method in a sweep over algorithm.name: sweep whole tables, "
+            f"[sweep] algorithm = [{own}, {rest}], or use points = [{{ algorithm = {own} }}, "
+            f"{', '.join(f'{{ algorithm = {{ name = {chr(34)}{n}{chr(34)} }} }}' for n in others)}] "
+            f"(docs/spec-reference.md, Sweeps)")
 
 
 def _sweeps_algorithm(sweep: dict) -> bool:
