@@ -1,26 +1,20 @@
 #!/usr/bin/env python
 """Screenshots of the MLflow UI on a pfl sweep, taken with headless Chromium (a script, not a test).
 
-Runs a sweep (``pfl-run SPEC --quiet``) into a new SQLite store in a temporary folder, starts
-``mlflow ui`` on that store on a free port meanwhile (waits until ``/health`` answers; always
-stops it at the end), finds the study's top-level runs with ``mlflow.MlflowClient`` and saves, in OUT:
+Runs a sweep (``pfl-run SPEC``) into a new SQLite store in a temporary folder, starts ``mlflow
+ui`` on that store on a free port meanwhile (waits until ``/health`` answers; always stops it at
+the end), and opens what pfl-run printed. Saves, in OUT:
 
-- ``mlflow-runs-chart.png``: the experiment's **Runs** page in chart view, listing the sweep's
-  runs (the study parent's children, shown flat and sorted by ``acc_mean``);
-- ``mlflow-compare.png``: the **compare-runs** page of the same runs (parallel coordinates,
-  run details, parameters, metrics).
+- ``mlflow-runs-chart.png``: the ``charts:`` link pfl-run printed: the study's compared runs
+  (each point's parent run) in the chart view, one curve per point;
+- ``mlflow-runs-table.png``: the ``table:`` link: the same runs with their metric columns;
+- ``mlflow-compare.png``: the **compare-runs** page of the study parent's children (parallel
+  coordinates, run details, parameters, metrics):
+  ``/#/compare-runs?runs=["<id>", ...]&experiments=["<experiment id>"]``.
 
-The UI addresses (MLflow 3.17):
-
-    /#/experiments/<id>/runs?workflowType=machine_learning&compareRunsMode=CHART
-        &searchFilter=tags.mlflow.parentRunId = '<study parent>'&orderByKey=metrics.`acc_mean`
-    /#/compare-runs?runs=["<id>", ...]&experiments=["<experiment id>"]
-
-``workflowType=machine_learning`` is needed because MLflow 3.17's UI chooses between its GenAI
-and model-training views from the browser's own setting (GenAI in a new browser), not from the
-experiment's ``mlflow.experimentKind`` tag. The runs table nests children under their parent
-(collapsed) unless it is filtered and sorted by something other than the start time; the
-filter and sort above show the sweep's runs themselves.
+The printed links name a saved view of the runs page (an experiment tag that holds the
+study's filter, sort and columns; ``pfl_core.tracking.links``), since MLflow 3.17's UI drops
+a saved view when the address carries a search filter of its own.
 
     python scripts/mlflow_screenshots.py docs/images                           # the quickstart
     python scripts/mlflow_screenshots.py /tmp/shots --spec my.toml --set experiment.rounds=2
@@ -51,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BROWSER_NAMES = ("chromium", "chromium-browser")
 CHART_PICTURE = "mlflow-runs-chart.png"
+TABLE_PICTURE = "mlflow-runs-table.png"
 COMPARE_PICTURE = "mlflow-compare.png"
 # Chromium's virtual time runs far ahead of the wall clock while the page is idle; the runs
 # charts need a long budget before they stop showing spinners (15 s of it is not enough).
@@ -82,8 +77,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_sweep(spec: Path, overrides: list[str], tracking_uri: str, timeout_s: float) -> None:
-    command = [str(BIN / "pfl-run"), str(spec), "--quiet", "--tracking-uri", tracking_uri]
+def run_sweep(spec: Path, overrides: list[str], tracking_uri: str, timeout_s: float) -> str:
+    """Run the sweep; returns what it printed (its last lines: the links to the study)."""
+    command = [str(BIN / "pfl-run"), str(spec), "--tracking-uri", tracking_uri]
     for override in overrides:
         command += ["--set", override]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -91,12 +87,26 @@ def run_sweep(spec: Path, overrides: list[str], tracking_uri: str, timeout_s: fl
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
-        _, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stop(proc)
         raise ScreenshotError(f"the sweep took more than {timeout_s:.0f} s (--timeout): {' '.join(command)}") from None
     if proc.returncode != 0:
         raise ScreenshotError(f"the sweep failed (exit {proc.returncode}): {' '.join(command)}\n{stderr.strip()[-2000:]}")
+    return stdout
+
+
+def printed_links(stdout: str, base: str) -> dict[str, str]:
+    """The ``charts:`` and ``table:`` addresses pfl-run printed, moved to the UI at ``base``."""
+    links = {}
+    for line in stdout.splitlines():
+        label, _, url = line.strip().partition(": ")
+        if label in ("charts", "table") and url.strip().startswith("http"):
+            url = url.strip()
+            links[label] = base + url[url.index("/#/"):]
+    if set(links) != {"charts", "table"}:
+        raise ScreenshotError(f"pfl-run printed no charts:/table: links; its output ended:\n{stdout[-1500:]}")
+    return links
 
 
 def create_store(tracking_uri: str) -> None:
@@ -125,17 +135,6 @@ def study_runs(tracking_uri: str) -> tuple[str, str, list]:
     if len(children) < 2:
         raise ScreenshotError(f"the study parent {parent_id} has {len(children)} child runs; need 2 or more")
     return experiment_id, parent_id, children
-
-
-def runs_chart_url(base: str, experiment_id: str, parent_id: str) -> str:
-    query = urllib.parse.urlencode({
-        "workflowType": "machine_learning",
-        "compareRunsMode": "CHART",
-        "searchFilter": f"tags.mlflow.parentRunId = '{parent_id}'",
-        "orderByKey": "metrics.`acc_mean`",
-        "orderByAsc": "false",
-    }, quote_via=urllib.parse.quote)
-    return f"{base}/#/experiments/{experiment_id}/runs?{query}"
 
 
 def compare_url(base: str, experiment_id: str, run_ids: list[str]) -> str:
@@ -214,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="passed to pfl-run --set; repeatable")
     parser.add_argument("--window-size", type=window_size, default=(1600, 1000), metavar="W,H",
                         help="browser window of the runs chart view (default 1600,1000)")
+    parser.add_argument("--table-window-size", type=window_size, default=(2400, 800), metavar="W,H",
+                        help="browser window of the runs table, wide enough for its metric columns (default 2400,800)")
     parser.add_argument("--compare-window-size", type=window_size, default=(1600, 2000), metavar="W,H",
                         help="browser window of the compare view, tall enough for its metrics (default 1600,2000)")
     parser.add_argument("--browser", help="Chromium executable (default: chromium or chromium-browser on PATH)")
@@ -241,13 +242,15 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             try:
                 started = time.monotonic()
-                run_sweep(args.spec, args.overrides, tracking_uri, args.timeout)
+                printed = run_sweep(args.spec, args.overrides, tracking_uri, args.timeout)
                 note(f"sweep {args.spec} logged to {tracking_uri}", started)
-                experiment_id, parent_id, children = study_runs(tracking_uri)
+                experiment_id, _, children = study_runs(tracking_uri)
+                links = printed_links(printed, base)
                 wait_until_up(base, server, args.timeout)
                 note(f"mlflow ui answers on {base} (time since the sweep began)", started)
                 pictures = [
-                    (args.out / CHART_PICTURE, runs_chart_url(base, experiment_id, parent_id), args.window_size),
+                    (args.out / CHART_PICTURE, links["charts"], args.window_size),
+                    (args.out / TABLE_PICTURE, links["table"], args.table_window_size),
                     (args.out / COMPARE_PICTURE, compare_url(base, experiment_id, [run.info.run_id for run in children]),
                      args.compare_window_size),
                 ]

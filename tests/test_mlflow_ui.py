@@ -1,8 +1,9 @@
 """A real-browser check of the MLflow UI on a sweep's store (scripts/mlflow_screenshots.py).
 
 Skips where no Chromium is on PATH (``apt-get install chromium`` on Debian). Otherwise a tiny
-two-point sweep is logged, ``mlflow ui`` started on its store, and the runs chart view and the
-compare view are screenshotted and their DOM dumped by headless Chromium.
+two-point sweep over two seeds is logged, ``mlflow ui`` started on its store, and the two links
+pfl-run printed (``charts:``, ``table:``) and the compare view are screenshotted and their DOM
+dumped by headless Chromium: the tests read what the pages show.
 """
 
 import subprocess
@@ -27,6 +28,7 @@ SPEC = """
 name = "ui_check"
 seed = 0
 rounds = 2
+seeds = [0, 1]
 
 [data]
 name = "synthetic"
@@ -55,19 +57,31 @@ every = 1
 "algorithm.name" = ["local", "fedavg"]
 """
 CHART_WINDOW = (1200, 800)
+TABLE_WINDOW = (2400, 800)  # the table draws only the columns in its window
 COMPARE_WINDOW = (1200, 1400)
 
 
-def page_texts(dom: str) -> set[str]:
-    """The text nodes of a dumped page, stripped."""
-    texts = set()
+def page_text_list(dom: str) -> list[str]:
+    """The non-empty text nodes of a dumped page, stripped, in document order."""
+    texts = []
 
     class Collector(HTMLParser):
         def handle_data(self, data):
-            texts.add(data.strip())
+            if data.strip():
+                texts.append(data.strip())
 
     Collector().feed(dom)
     return texts
+
+
+def page_texts(dom: str) -> set[str]:
+    return set(page_text_list(dom))
+
+
+def matching_runs(dom: str) -> int:
+    """The runs page's count line, "<n> matching runs" (two text nodes)."""
+    texts = page_text_list(dom)
+    return int(texts[texts.index("matching runs") - 1])
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +92,7 @@ def pictures(tmp_path_factory) -> Path:
     out = folder / "pictures"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), "--spec", str(spec), "--dump-dom",
-         "--window-size", "{},{}".format(*CHART_WINDOW), "--compare-window-size", "{},{}".format(*COMPARE_WINDOW)],
+         "--window-size", "{},{}".format(*CHART_WINDOW), "--table-window-size", "{},{}".format(*TABLE_WINDOW), "--compare-window-size", "{},{}".format(*COMPARE_WINDOW)],
         capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # It says where the pictures are.
@@ -89,6 +103,7 @@ def pictures(tmp_path_factory) -> Path:
 
 @needs_browser
 @pytest.mark.parametrize("name, window", [(mlflow_screenshots.CHART_PICTURE, CHART_WINDOW),
+                                          (mlflow_screenshots.TABLE_PICTURE, TABLE_WINDOW),
                                           (mlflow_screenshots.COMPARE_PICTURE, COMPARE_WINDOW)])
 def test_the_pictures_are_pngs_of_the_window_with_content(pictures, name, window):
     with Image.open(pictures / name) as image:
@@ -102,16 +117,31 @@ def test_the_pictures_are_pngs_of_the_window_with_content(pictures, name, window
 
 
 @needs_browser
-def test_the_runs_chart_view_plots_each_sweep_run(pictures):
+def test_the_printed_charts_link_plots_each_point_and_nothing_else(pictures):
     dom = (pictures / mlflow_screenshots.CHART_PICTURE).with_suffix(".html").read_text()
     texts = page_texts(dom)
     # The model-training runs page: not MLflow 3's GenAI overview a new browser opens on, nor
     # the same runs shown as "Training runs" under the GenAI sidebar (Overview, Traces, ...).
     assert "Model metrics" in texts and "Overview" not in texts and "Training runs" not in texts
-    # Each chart's legend names the run and the metric: the charts drew the runs' series
-    # (a view still loading shows spinners and no legend; charts below the window are not drawn).
+    # The two points' parent runs, listed flat: not the study parent (collapsed, one bar) nor
+    # the per-seed runs. Each chart's legend names the point and the metric: the charts drew
+    # the points' per-round means and their intervals (acc_mean_ci95).
+    assert matching_runs(dom) == 2
+    assert not any(text.startswith("ui_check ") or "seed=" in text for text in texts)
     for run in ("local", "fedavg"):
-        assert f"{run} (acc_mean)" in dom and f"{run} (acc_p10)" in dom
+        assert run in texts
+        assert f"{run} (acc_mean)" in dom and f"{run} (acc_mean_ci95)" in dom
+
+
+@needs_browser
+def test_the_printed_table_link_shows_the_points_with_their_metric_columns(pictures):
+    dom = (pictures / mlflow_screenshots.TABLE_PICTURE).with_suffix(".html").read_text()
+    texts = page_texts(dom)
+    assert matching_runs(dom) == 2 and {"local", "fedavg"} <= texts
+    for column in ("acc_mean", "acc_mean_ci95", "delta_acc_mean", "acc_p10", "comm_up_bytes"):
+        assert column in texts, column
+    # the cells hold the points' values: FedAvg's Δ against the first point (local) is a number
+    assert sum(1 for text in texts if text.replace(".", "", 1).replace("-", "", 1).isdigit()) >= 8
 
 
 @needs_browser
@@ -122,8 +152,8 @@ def test_the_compare_view_shows_the_sweep_runs_and_their_metrics(pictures):
 
 
 def test_the_urls_are_mlflow_hash_routes():
-    chart = mlflow_screenshots.runs_chart_url("http://h", "7", "abc")
-    assert chart.startswith("http://h/#/experiments/7/runs?workflowType=machine_learning&compareRunsMode=CHART&")
-    assert "searchFilter=tags.mlflow.parentRunId%20%3D%20%27abc%27" in chart
+    printed = "tracking: x\n  charts: http://127.0.0.1:5000/#/experiments/7/runs?a=1\n  table:  http://127.0.0.1:5000/#/t"
+    assert mlflow_screenshots.printed_links(printed, "http://h:1") == {"charts": "http://h:1/#/experiments/7/runs?a=1",
+                                                                        "table": "http://h:1/#/t"}
     compare = mlflow_screenshots.compare_url("http://h", "7", ["r1", "r2"])
     assert compare.startswith('http://h/#/compare-runs?runs=%5B%22r1%22%2C%20%22r2%22%5D&experiments=%5B%227%22%5D')

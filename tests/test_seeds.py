@@ -250,3 +250,30 @@ def test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees(t
             assert float(rows[(name, "acc_mean")]["p_adjusted"]) == pytest.approx(expected.p_adjusted, abs=1e-5)
         assert float(rows[(name, "acc_mean")]["mean"]) == pytest.approx(expected.mean, abs=1e-5)
     assert "delta_acc_mean" not in client.get_run(by_name["fedavg"].run_id).data.metrics  # the reference
+
+
+def test_a_points_parent_holds_the_per_round_mean_curve_and_band_and_the_study_its_pictures(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 3, "experiment.seeds": [0, 1, 2], "tracking.enabled": True,
+                      "evaluation.every": 1})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local"]}
+    results = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri,
+                            out=open(tmp_path / "out.txt", "w"))
+    mlflow.set_tracking_uri(None)
+    client = MlflowClient(tracking_uri=uri)
+    for point in results:
+        children = client.search_runs([client.get_run(point.run_id).info.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{point.run_id}'")
+        by_seed = {c.info.run_id: {m.step: m.value for m in client.get_metric_history(c.info.run_id, "acc_mean")}
+                   for c in children}
+        mean = {m.step: m.value for m in client.get_metric_history(point.run_id, "acc_mean")}
+        band = {m.step: m.value for m in client.get_metric_history(point.run_id, "acc_mean_ci95")}
+        assert sorted(mean) == sorted(band) == [1, 2, 3]  # one value per evaluation round, no step 0
+        for step in (1, 2, 3):
+            expected = stats.summarize([history[step] for history in by_seed.values()])
+            assert mean[step] == pytest.approx(expected.mean) and band[step] == pytest.approx(expected.ci95)
+        assert client.get_run(point.run_id).data.tags["pfl.point"] == client.get_run(point.run_id).data.tags["pfl.study"]
+    study_parent = client.get_run(results[0].run_id).data.tags["mlflow.parentRunId"]
+    pictures = {a.path for a in client.list_artifacts(study_parent, "results")}
+    assert {"results/acc_mean_curves.png", "results/final_acc_mean.png"} <= pictures
+    assert "pfl.point" not in client.get_run(study_parent).data.tags  # the links list the points only

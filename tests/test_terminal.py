@@ -62,8 +62,12 @@ def test_sweep_shows_run_k_of_n_and_a_loading_line_and_ends_with_the_mlflow_loca
     assert f"mlflow ui --backend-store-uri {uri}" in out
     experiment = mlflow.get_experiment_by_name("tiny")
     runs = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
-    assert f"charts: {runs}&compareRunsMode=CHART" in out  # a new browser would open GenAI without the query
-    assert f"table:  {runs}&viewStateShareKey=pfl-key-metrics" in out
+    # a new browser would open GenAI without workflowType; the view holds the study's filter
+    study = mlflow.search_runs([experiment.experiment_id], output_format="list")[0].data.tags["pfl.study"]
+    assert f"charts: {runs}&viewStateShareKey=pfl-study-{study}&compareRunsMode=CHART" in out
+    assert f"table:  {runs}&viewStateShareKey=pfl-study-{study}&compareRunsMode=TABLE" in out
+    view = json.loads(json.loads(experiment.tags[f"mlflow.sharedViewState.pfl-study-{study}"])["state"])
+    assert view["searchFilter"] == f"tags.`pfl.point` = '{study}'" and "metrics.`acc_mean`" in view["selectedColumns"]
     view = json.loads(experiment.tags["mlflow.sharedViewState.pfl-key-metrics"])  # the view that link opens
     assert json.loads(view["state"])["selectedColumns"] == ["metrics.`acc_mean`", "metrics.`acc_p10`",
                                                              "metrics.`comm_up_bytes`"]

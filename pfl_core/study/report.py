@@ -9,6 +9,7 @@ from pfl_core.engine import RunResult
 from pfl_core.study.compare import GAINS, comparisons
 from pfl_core.study.points import Point, PointResult, point_builds
 from pfl_core.study.stats import Summary
+from pfl_core.tracking.tracker import current_study
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds, warning_line
 
 
@@ -18,7 +19,8 @@ def print_locations(point: Point, out_dir: str | None, out) -> None:
 
     lines = []
     try:
-        where = experiment_location(point.resolved.spec)
+        study = current_study()
+        where = experiment_location(point.resolved.spec, study.id if study is not None else None)
     except Exception:  # a store that cannot be read back: the runs were logged; say nothing wrong
         where = None
     if where:

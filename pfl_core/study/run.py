@@ -22,10 +22,11 @@ from pfl_core.study.points import (
 )
 from pfl_core.study.report import dry_run_report, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
-from pfl_core.study.seeds import RunCounter, log_differences, log_gains, run_point
+from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_study_figures, run_point
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
 from pfl_core.tracking.store_check import check_store
 from pfl_core.tracking.study import begin_study, studied
+from pfl_core.tracking.tracker import current_study
 
 
 @studied  # one MLflow study per call (pfl_core/tracking/study.py)
@@ -130,6 +131,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             if plans:
                 print(f"\n{describe(plans)}", file=out)
             print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget)
+            study = current_study()
+            if study is not None and study.parent is not None:
+                log_study_figures(study.parent, shown)
     except BaseException as exc:
         if results_dir is not None:
             done = shown or [*finished(), *partial]

@@ -88,12 +88,14 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
     if not point.seeds:
         tracker = make_tracker(spec.tracking, tracking_uri)
+        tracker.is_point = True
         run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name,
                      progress_label=counter.label(name) if counter else None).run()
         return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
                            run.run_id, spec.algorithm.name, group)
 
     parent = make_tracker(spec.tracking, tracking_uri)
+    parent.is_point = True
     parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
                  {"algorithm": spec.algorithm.name, "pfl.seeds": ",".join(map(str, point.seeds)),
                   **spec.tracking.tags})
@@ -126,18 +128,70 @@ def summarize_runs(runs: list[RunResult]) -> dict[str, Summary]:
     return {k: summarize([r.final.get(k, math.nan) for r in runs]) for k in keys}
 
 
+def mean_curves(runs: list[RunResult]) -> dict[int, dict[str, Summary]]:
+    """Per evaluation round that every run has, each per-round metric's mean over the runs
+    (seeds) and its 95% interval: {round: {metric: Summary}}."""
+    rounds = [{row["round"]: row for row in run.history} for run in runs]
+    shared = sorted(set.intersection(*(set(r) for r in rounds))) if rounds else []
+    curves = {}
+    for step in shared:
+        keys = sorted(set.intersection(*(set(r[step]) for r in rounds)) - {"round"})
+        curves[step] = {k: summarize([float(r[step][k]) for r in rounds]) for k in keys
+                        if all(isinstance(r[step][k], (int, float)) for r in rounds)}
+    return curves
+
+
 def log_seed_summary(tracker, result: PointResult) -> None:
-    """The parent run's metrics (``m``, ``m_std``, ``m_ci95``), the per-seed table and the
-    clients' final accuracy by seed."""
+    """The parent run's metrics: each per-round metric's mean over seeds and its ``_ci95`` at
+    every evaluation round (one curve per point in MLflow's charts), then at the last round
+    the final ``m``, ``m_std``, ``m_ci95``; the per-seed table and the clients' final
+    accuracy by seed."""
+    curves = mean_curves(result.runs)
+    last = max(curves, default=0)
+    for step, summaries in curves.items():
+        if step != last:  # the last round's values are the final ones, below
+            series = {k: v for key, s in summaries.items() for k, v in ((key, s.mean), (f"{key}_ci95", s.ci95))}
+            tracker.log_metrics({k: v for k, v in series.items() if not math.isnan(v)}, step=step)
     metrics = {}
     for key, s in result.summary.items():
         metrics.update({key: s.mean, f"{key}_std": s.std, f"{key}_ci95": s.ci95})
     finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
     if finite:
-        tracker.log_metrics(finite, step=0)
+        tracker.log_metrics(finite, step=last)
     keys = sorted(result.summary)
     rows = [[seed, *[run.final.get(k, math.nan) for k in keys]] for seed, run in zip(result.seeds, result.runs)]
     if rows:
         tracker.log_text(table_csv(["seed", *keys], rows), "results/seeds.csv")
     log_accuracy_distribution(tracker, [(f"seed={seed}", run.client_rows) for seed, run in zip(result.seeds, result.runs)],
                               f"{result.name}: final accuracy per client, by seed")
+
+
+CURVE_METRIC = "acc_mean"
+
+
+def point_curve(result: PointResult, metric: str = CURVE_METRIC) -> tuple[list[int], list[float], list[float]]:
+    """A point's ``metric`` by evaluation round: the mean over its seeds and the 95% interval's
+    half-width (nan with one run)."""
+    curves = mean_curves(result.runs)
+    rounds = [step for step, summaries in curves.items() if metric in summaries]
+    return rounds, [curves[r][metric].mean for r in rounds], [curves[r][metric].ci95 for r in rounds]
+
+
+def log_study_figures(tracker, results: list[PointResult], metric: str = CURVE_METRIC) -> None:
+    """The study parent's pictures: every point's mean curve with its band
+    (``results/<metric>_curves.png``) and its final mean with its interval
+    (``results/final_<metric>.png``)."""
+    from pfl_core.tracking import plots
+
+    drawn = [(r.name, *point_curve(r, metric)) for r in results]
+    drawn = [d for d in drawn if d[1]]
+    if not drawn:
+        return
+    seeds = max(len(r.runs) for r in results)
+    figure = plots.mean_curves_figure(drawn, metric, f"{metric} by round, {seeds} seed(s)")
+    tracker.log_figure(figure, f"results/{metric}_curves.png")
+    plots.close(figure)
+    rows = [(r.name, r.summary[metric].mean, r.summary[metric].ci95) for r in results if metric in r.summary]
+    figure = plots.final_means_figure(rows, metric, f"final {metric}, {seeds} seed(s)")
+    tracker.log_figure(figure, f"results/final_{metric}.png")
+    plots.close(figure)

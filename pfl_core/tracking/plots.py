@@ -82,5 +82,48 @@ def accuracy_distribution_figure(groups: list[tuple[str, list[float], list[bool]
     return fig
 
 
+def mean_curves_figure(curves: list[tuple[str, list[float], list[float], list[float]]], metric: str, title: str):
+    """One line per method: ``metric``'s mean over seeds by round, with its 95% interval as a
+    band (none where a method ran one seed: nan half-widths).
+
+    ``curves``: ``(label, rounds, means, ci95 half-widths)`` per method, in the legend's order."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, rounds, means, half in curves:
+        x, mean, half = np.asarray(rounds, float), np.asarray(means, float), np.asarray(half, float)
+        (line,) = ax.plot(x, mean, marker="o", markersize=3, label=label)
+        if np.isfinite(half).any():
+            ax.fill_between(x, mean - half, mean + half, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(pyplot().MaxNLocator(integer=True))
+    ax.set_ylabel(f"{metric} (mean over seeds, 95% interval)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def final_means_figure(rows: list[tuple[str, float, float]], metric: str, title: str):
+    """Each method's final ``metric`` as its mean over seeds with the 95% interval as an error
+    bar. ``rows``: ``(label, mean, ci95 half-width)`` per method, drawn in that order."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(rows) + 2.5), 4))
+    x = np.arange(len(rows))
+    means = np.asarray([r[1] for r in rows], float)
+    half = np.asarray([r[2] for r in rows], float)
+    ax.errorbar(x, means, yerr=np.where(np.isfinite(half), half, 0.0), fmt="o", capsize=6, color="tab:blue")
+    for xi, mean in zip(x, means):
+        ax.annotate(f"{mean:.4f}", (xi, mean), textcoords="offset points", xytext=(8, 0), fontsize=8, va="center")
+    ax.set_xticks(x, [r[0] for r in rows], rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center")
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
 def close(fig) -> None:
     pyplot().close(fig)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from pfl_core.tracking import journal
-from pfl_core.tracking.tracker import runs_links
+from pfl_core.tracking.links import runs_links, save_study_view
 
 
 class Progress:
@@ -104,9 +104,9 @@ def _fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
-def experiment_location(spec) -> str | None:
+def experiment_location(spec, study_id: str | None = None) -> str | None:
     """Where a tracked invocation's runs are: the tracking URI, the experiment and the MLflow
-    UI address of its runs (None when tracking is off)."""
+    UI addresses of the runs study ``study_id`` compares (None when tracking is off)."""
     if not spec.tracking.enabled:
         return None
     import mlflow
@@ -122,10 +122,16 @@ def experiment_location(spec) -> str | None:
         return f"tracking: {uri}"
     id = experiment.experiment_id
     lines = [f"tracking: {uri}, experiment {experiment.name!r} (id {id})"]
+    if study_id:
+        try:
+            with journal.short_http():
+                save_study_view(mlflow.MlflowClient(), id, study_id, f"pfl study {study_id}")
+        except Exception:  # the runs are logged; without the view the links open the experiment's runs
+            study_id = None
     if uri.startswith(("http://", "https://")):
-        charts, table = runs_links(uri, id)
+        charts, table = runs_links(uri, id, study_id)
     else:
         lines.append(f"  view: mlflow ui --backend-store-uri {uri}   then open")
-        charts, table = runs_links("http://127.0.0.1:5000", id)
+        charts, table = runs_links("http://127.0.0.1:5000", id, study_id)
     lines += [f"  charts: {charts}", f"  table:  {table}"]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Any
 from pfl_core.errors import PflError, Stopped, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for
 from pfl_core.tracking import journal
+from pfl_core.tracking.links import POINT_TAG, VIEW_TAG, key_metrics_view
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -45,32 +46,6 @@ GIT_TAGS = ("mlflow.source.git.commit", "mlflow.source.git.branch", "mlflow.sour
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 PARENT_TAG = "mlflow.parentRunId"
 MODEL_TRAINING = "custom_model_development"
-# MLflow 3's runs table shows no metric column by default. Its UI keeps a saved view of the
-# table in an experiment tag (the format its "share view" writes); pfl saves one with the key
-# metrics as columns, and the links it prints open it. A UI-internal format: if a later MLflow
-# ignores it, the link still opens the runs.
-KEY_METRICS = ("acc_mean", "acc_p10", "comm_up_bytes")
-KEY_METRICS_VIEW = "pfl-key-metrics"
-VIEW_TAG = f"mlflow.sharedViewState.{KEY_METRICS_VIEW}"
-# The UI remembers per browser whether it shows GenAI or model-training experiments and opens
-# a new browser on GenAI, whatever the experiment's kind tag says; this query switches it.
-RUNS_QUERY = "workflowType=machine_learning"
-
-
-def key_metrics_view() -> str:
-    columns = [f"metrics.`{name}`" for name in KEY_METRICS]
-    now = int(time.time() * 1000)
-    return json.dumps({"name": "pfl: key metrics", "createdAt": now, "updatedAt": now,
-                       "state": json.dumps({"selectedColumns": columns})})
-
-
-def runs_links(base: str, experiment_id: str) -> list[str]:
-    """The MLflow UI addresses of an experiment's runs: the chart view and the table with the
-    key metrics as columns."""
-    runs = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{RUNS_QUERY}"
-    return [f"{runs}&compareRunsMode=CHART", f"{runs}&viewStateShareKey={KEY_METRICS_VIEW}"]
-
-
 # The current invocation's pfl_core.tracking.study.Study (None outside one); set by study.studied.
 _STUDY: contextvars.ContextVar = contextvars.ContextVar("pfl_study", default=None)
 
@@ -92,6 +67,7 @@ class NullTracker:
 
     run_id = None
     parent_run_id = None
+    is_point = False
 
     def start(self, experiment: str, run_name: str, params: dict[str, str], tags: dict[str, str]) -> None:
         pass
@@ -152,6 +128,7 @@ class MlflowTracker(NullTracker):
         self.last_step: int | None = None
         self.refusal_said = False
         self.parent_run_id: str | None = None  # when not this thread's active run (parallel trials)
+        self.is_point = False  # a run the study's comparison lists (POINT_TAG)
         # > 0: the run's metrics, params and tags held and sent together at most this often, and
         # before any other call (a tuning trial: no checkpoint a kill could leave ahead of them)
         self.metrics_every_seconds = 0.0
@@ -194,6 +171,8 @@ class MlflowTracker(NullTracker):
         context = {TRACKING_URI_TAG: uri}
         if self.study is not None:
             context.update(self.study.tags())
+            if self.is_point:
+                context[POINT_TAG] = self.study.id
         # A run started while another is active (a seed of a repeated experiment, a sweep point
         # of a study) is its child, told apart by its parent; a top-level run by its name.
         nested = mlflow.active_run() is not None
