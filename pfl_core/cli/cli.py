@@ -1,6 +1,6 @@
 """Command line: ``pfl-run SPEC`` runs an experiment; ``pfl plugins [NAME]`` lists plugins (or
-documents one); ``pfl docs``
-generates the built-in plugins' parameter reference.
+documents one); ``pfl results [STUDY]`` lists the studies of an MLflow store (or prints,
+exports and draws one); ``pfl docs`` generates the built-in plugins' parameter reference.
 
 Every error a user can cause ends as one line on stderr and exit code 2, never a traceback.
 Exit code 3: the runs finished, but their MLflow tracking server was unreachable at the end;
@@ -301,6 +301,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a journal folder, or a folder holding journals (a run's checkpoint folder, pfl-journal/)")
     replay.add_argument("--tracking-uri", default=None,
                         help="send to this MLflow store instead of the one the journal was written for")
+    results = sub.add_parser("results", help="list the studies an MLflow store holds; with STUDY, print its "
+                                             "comparison table (or export it, or draw its curves)")
+    results.add_argument("study", nargs="?", metavar="STUDY",
+                         help='a study id (or a prefix of one), an experiment name prefix (its newest study), or "last"')
+    results.add_argument("--tracking-uri", default=None,
+                         help="the MLflow store to read (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    results.add_argument("--format", dest="fmt", choices=["table", "markdown", "latex", "csv"], default="table",
+                         help="table: as pfl-run printed it; markdown, latex (mean ± ci, best in bold), csv")
+    results.add_argument("--plot", metavar="PNG", default=None,
+                         help="also draw each method's mean curve over seeds with its 95%% band into this file")
+    results.add_argument("--metric", default="acc_mean", help="the metric --plot draws (default acc_mean)")
     docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
                                        "write it into a file's generated region")
     target = docs.add_mutually_exclusive_group()
@@ -318,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plugins_main(args.name)
         if args.command == "docs":
             return docs_main(args.write, args.check)
+        if args.command == "results":
+            from pfl_core.study.stored import results_main
+
+            if args.plot is not None and args.study is None:
+                parser.error("--plot draws one study: give STUDY (or \"last\")")
+            return results_main(args.study, args.tracking_uri, args.fmt, args.plot, args.metric, sys.stdout)
         if args.command == "replay":
             from pfl_core.tracking.journal import replay_main
 

@@ -88,14 +88,14 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
     if not point.seeds:
         tracker = make_tracker(spec.tracking, tracking_uri)
-        tracker.is_point = True
+        tracker.point_group = group
         run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name,
                      progress_label=counter.label(name) if counter else None).run()
         return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
                            run.run_id, spec.algorithm.name, group)
 
     parent = make_tracker(spec.tracking, tracking_uri)
-    parent.is_point = True
+    parent.point_group = group
     parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
                  {"algorithm": spec.algorithm.name, "pfl.seeds": ",".join(map(str, point.seeds)),
                   **spec.tracking.tags})

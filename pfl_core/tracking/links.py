@@ -11,6 +11,9 @@ from urllib.parse import quote, urlencode
 # On each run a study compares (a point's parent run, a single run, a reference run): the
 # study's id. The links filter on it, so they open the comparison, not the tree of runs.
 POINT_TAG = "pfl.point"
+# Beside it: the point's sweep settings other than the method (the reference runs it is
+# compared with share them), so a stored study's table can be rebuilt (`pfl results`).
+GROUP_TAG = "pfl.group"
 
 # MLflow 3's runs table shows no metric column by default. Its UI keeps a saved view of the
 # table in an experiment tag (the format its "share view" writes); pfl saves one with the key

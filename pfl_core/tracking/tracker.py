@@ -15,7 +15,7 @@ from typing import Any
 from pfl_core.errors import PflError, Stopped, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for
 from pfl_core.tracking import journal
-from pfl_core.tracking.links import POINT_TAG, VIEW_TAG, key_metrics_view
+from pfl_core.tracking.links import GROUP_TAG, POINT_TAG, VIEW_TAG, key_metrics_view
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -67,7 +67,7 @@ class NullTracker:
 
     run_id = None
     parent_run_id = None
-    is_point = False
+    point_group = None
 
     def start(self, experiment: str, run_name: str, params: dict[str, str], tags: dict[str, str]) -> None:
         pass
@@ -128,7 +128,7 @@ class MlflowTracker(NullTracker):
         self.last_step: int | None = None
         self.refusal_said = False
         self.parent_run_id: str | None = None  # when not this thread's active run (parallel trials)
-        self.is_point = False  # a run the study's comparison lists (POINT_TAG)
+        self.point_group: str | None = None  # a run the study's comparison lists (POINT_TAG): its group
         # > 0: the run's metrics, params and tags held and sent together at most this often, and
         # before any other call (a tuning trial: no checkpoint a kill could leave ahead of them)
         self.metrics_every_seconds = 0.0
@@ -171,8 +171,8 @@ class MlflowTracker(NullTracker):
         context = {TRACKING_URI_TAG: uri}
         if self.study is not None:
             context.update(self.study.tags())
-            if self.is_point:
-                context[POINT_TAG] = self.study.id
+            if self.point_group is not None:
+                context.update({POINT_TAG: self.study.id, GROUP_TAG: self.point_group})
         # A run started while another is active (a seed of a repeated experiment, a sweep point
         # of a study) is its child, told apart by its parent; a top-level run by its name.
         nested = mlflow.active_run() is not None

@@ -1,0 +1,351 @@
+"""``pfl results``: the studies an MLflow store holds, and any one study's comparison table
+rebuilt from its runs (through MLflow's client API), printed as ``pfl-run`` printed it or
+exported as Markdown, LaTeX or CSV, and its mean curves drawn.
+
+A study's compared runs carry ``pfl.point`` = the study's id (a point's parent run over its
+seeds, a single run, a reference run); a point's seed runs are its parent's children; their
+final metrics are the runs' last values. Studies logged before ``pfl.point`` existed are
+rebuilt from their top-level runs the same way."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import attrs
+
+from pfl_core.engine import RunResult
+from pfl_core.errors import PflError, did_you_mean
+from pfl_core.study.compare import adjust_gains, comparisons
+from pfl_core.study.points import PointResult
+from pfl_core.study.report import COMPARED, print_comparison, print_table
+from pfl_core.study.results import comparison_csv
+from pfl_core.study.seeds import gains, summarize_runs
+from pfl_core.study.stats import Summary, summarize
+from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
+from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
+
+DEFAULT_STORE = "sqlite:///mlflow.db"
+TUNING_TAG = "pfl.tune.study"
+TRIAL_TAG = "pfl.tune.trial"
+REFERENCE = " (reference)"
+# Worst first: a study is as finished as its least finished run.
+STATUS_ORDER = ("RUNNING", "FAILED", "KILLED", "SCHEDULED", "FINISHED")
+
+
+@attrs.define
+class StoredStudy:
+    """One study of the store, as ``pfl results`` lists it."""
+
+    id: str
+    experiment: str
+    started: float  # ms since the epoch, its first run's start
+    methods: list[str]
+    seeds: list[int]
+    tuned: bool
+    status: str
+    runs: list = attrs.field(repr=False)  # every MLflow run of the study
+
+    @property
+    def date(self) -> str:
+        return datetime.datetime.fromtimestamp(self.started / 1000).strftime("%Y-%m-%d %H:%M")
+
+
+def store_uri(tracking_uri: str | None) -> str:
+    """The store to read: --tracking-uri, else $MLFLOW_TRACKING_URI, else ./mlflow.db. A SQLite
+    file that does not exist is an error (MLflow would create an empty one)."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_STORE
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise PflError(f"--tracking-uri: no MLflow store at {uri} ({path} does not exist); run pfl results where "
+                           f"pfl-run ran, or give --tracking-uri")
+    return uri
+
+
+def studies(client) -> list[StoredStudy]:
+    """Every study in the store, oldest first."""
+    runs = []
+    for experiment in client.search_experiments():
+        runs += [(experiment.name, r) for r in client.search_runs([experiment.experiment_id],
+                                                                  f"tags.`{STUDY_TAG}` LIKE '%'", max_results=50000)]
+    by_id: dict[str, list] = {}
+    for name, run in runs:
+        by_id.setdefault(run.data.tags[STUDY_TAG], []).append((name, run))
+    found = []
+    for study_id, members in by_id.items():
+        study_runs = [r for _, r in members]
+        points = compared_runs(study_runs)
+        seeds = sorted({int(s) for p in points for s in p.data.tags.get("pfl.seeds", "").split(",") if s.strip()})
+        statuses = [r.info.status for r in points] or [r.info.status for r in study_runs]
+        found.append(StoredStudy(
+            study_id, members[0][0], min(r.info.start_time for r in study_runs),
+            list(dict.fromkeys(p.data.tags.get("algorithm", "?") for p in points)),
+            seeds, any(TUNING_TAG in r.data.tags for r in study_runs),
+            min(statuses, key=lambda s: STATUS_ORDER.index(s) if s in STATUS_ORDER else 0), study_runs))
+    return sorted(found, key=lambda s: s.started)
+
+
+def compared_runs(study_runs: list) -> list:
+    """The runs the study's table compares, in the order they started."""
+    marked = [r for r in study_runs if POINT_TAG in r.data.tags]
+    if not marked:  # logged before pfl.point: the top-level runs, or the study parent's children
+        ids = {r.info.run_id for r in study_runs}
+        parents = {r.data.tags.get(PARENT_TAG) for r in study_runs} & ids
+        study_parent = next((r.info.run_id for r in study_runs if r.info.run_id in parents
+                             and PARENT_TAG not in r.data.tags and "pfl.seeds" not in r.data.tags), None)
+        marked = [r for r in study_runs if TUNING_TAG not in r.data.tags and TRIAL_TAG not in r.data.tags
+                  and r.data.tags.get(PARENT_TAG) == study_parent and r.info.run_id != study_parent]
+    return sorted(marked, key=lambda r: r.info.start_time)
+
+
+def find(found: list[StoredStudy], wanted: str) -> StoredStudy:
+    """``last``, a study id or a prefix of one, or a prefix of an experiment's name (its
+    newest study)."""
+    if not found:
+        raise PflError("the store holds no pfl study")
+    if wanted == "last":
+        return found[-1]
+    by_id = [s for s in found if s.id.startswith(wanted)]
+    if len(by_id) == 1:
+        return by_id[0]
+    if len(by_id) > 1:
+        raise PflError(f"study {wanted!r} is ambiguous: {', '.join(s.id for s in by_id)}")
+    by_name = [s for s in found if s.experiment.startswith(wanted)]
+    if by_name:
+        return by_name[-1]
+    names = list(dict.fromkeys(s.experiment for s in found))
+    raise PflError(f"no study {wanted!r} in this store{did_you_mean(wanted, names)}; 'pfl results' lists them")
+
+
+@attrs.define
+class Table:
+    """A stored study's comparison, as pfl-run built it."""
+
+    results: list[PointResult]
+    compare_to: str
+    correction: str
+    budget: str
+    tuned: str  # "tuned: ..." or ""
+
+
+def load(client, study: StoredStudy) -> Table:
+    points = compared_runs(study.runs)
+    if not points:
+        raise PflError(f"study {study.id} has no finished runs to compare")
+    children: dict[str, list] = {}
+    for run in study.runs:
+        if PARENT_TAG in run.data.tags:
+            children.setdefault(run.data.tags[PARENT_TAG], []).append(run)
+    results = []
+    for run in points:
+        seeded = "pfl.seeds" in run.data.tags
+        runs = sorted(children.get(run.info.run_id, []) if seeded else [run],
+                      key=lambda r: int(r.data.params.get("experiment.seed", 0)))
+        runs = [r for r in runs if TRIAL_TAG not in r.data.tags]
+        finals = [RunResult(history=[], client_rows=[], final=dict(r.data.metrics), run_id=r.info.run_id) for r in runs]
+        seeds = [int(r.data.params.get("experiment.seed", 0)) for r in runs]
+        results.append(PointResult(run.info.run_name, seeds, finals, summarize_runs(finals), run.info.run_id,
+                                   run.data.tags.get("algorithm", ""), run.data.tags.get(GROUP_TAG, ""), seeded))
+    # the sweep's points first, then its reference runs (pfl-run's order)
+    results = [r for r in results if not r.name.startswith(_reference_prefix(r))] + \
+              [r for r in results if r.name.startswith(_reference_prefix(r))]
+    references = [r for r in results if r.name.startswith(_reference_prefix(r))]
+    params = points[0].data.params
+    correction = params.get("report.correction", "holm")
+    if references:
+        for result in results:
+            result.summary.update(gains(result, [r for r in references if r.group == result.group]))
+        adjust_gains(results, correction)
+    compare_to = params.get("experiment.compare_to", "") or results[0].name
+    return Table(results, compare_to, correction, params.get("report.budget", "passes"), _tuning_line(study))
+
+
+def _reference_prefix(result: PointResult) -> str:
+    return f"{result.resolved_algorithm}{REFERENCE}"
+
+
+def _tuning_line(study: StoredStudy) -> str:
+    parents = [r for r in study.runs if TUNING_TAG in r.data.tags and TRIAL_TAG not in r.data.tags
+               and r.info.run_name.endswith("(tuning)")]
+    if not parents:
+        return ""
+    counts = [int(r.data.metrics.get("trials_complete", 0) + r.data.metrics.get("trials_pruned", 0)) for r in parents]
+    params = parents[0].data.params
+    trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
+              "trials: " + ", ".join(f"{r.info.run_name.removesuffix(' (tuning)')} {n}" for r, n in zip(parents, counts)))
+    return (f"tuned: {trials} on {params.get('tune.metric', '?')} ({params.get('tune.objective', '?')}), "
+            f"{params.get('tune.sampler', '?')} sampler, tuning seeds {params.get('tune.seeds', '?')}")
+
+
+# -- exports ---------------------------------------------------------------------------------
+
+
+def _columns(table: Table) -> tuple[list[str], dict]:
+    """The table's metric columns and its paired differences (as the printed table has them)."""
+    results = table.results
+    ref = next((r for r in results if r.name == table.compare_to), results[0])
+    keys = [k for k in COMPARED if any(k in r.summary for r in results)]
+    diffs = comparisons(results, ref, keys, table.correction) if len(ref.runs) > 1 else {}
+    return keys, diffs
+
+
+def _lower_is_better(key: str) -> bool:
+    return "loss" in key or "bytes" in key
+
+
+def _best(results: list[PointResult], key: str) -> float:
+    means = [r.summary[key].mean for r in results if key in r.summary and not math.isnan(r.summary[key].mean)]
+    if not means:
+        return math.nan
+    return min(means) if _lower_is_better(key) else max(means)
+
+
+def _cell(s: Summary, digits: int = 4) -> tuple[str, str]:
+    return f"{s.mean:.{digits}f}", ("" if s.n < 2 or math.isnan(s.ci95) else f"{s.ci95:.{digits}f}")
+
+
+def _delta(d: Summary) -> str:
+    if d.n < 2:
+        return f"{d.mean:+.4f}"
+    p = "" if math.isnan(d.p_adjusted) else f", p={d.p_adjusted:.3f}" if d.p_adjusted >= 0.001 else ", p<0.001"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{p}{'*' if d.significant else ''}"
+
+
+def markdown(table: Table) -> str:
+    keys, diffs = _columns(table)
+    ref = table.compare_to
+    delta_keys = [k for k in keys if any(key == k for _, key in diffs)]
+    header = ["run", "seeds", *keys, *[f"Δ{k} vs {ref}" for k in delta_keys]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in table.results:
+        cells = [r.name, str(len(r.runs))]
+        for k in keys:
+            if k not in r.summary:
+                cells.append("-")
+                continue
+            mean, ci = _cell(r.summary[k])
+            text = f"{mean} ± {ci}" if ci else mean
+            cells.append(f"**{text}**" if r.summary[k].mean == _best(table.results, k) else text)
+        cells += [_delta(diffs[(r.name, k)]) if (r.name, k) in diffs else "-" for k in delta_keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([*([f"_{table.tuned}_", ""] if table.tuned else []), *lines, "", _footnote(table)]) + "\n"
+
+
+def latex(table: Table) -> str:
+    """A booktabs tabular: mean ± ci95 (the best mean of each column in bold), and the paired
+    differences with their interval and adjusted p; needs ``\\usepackage{booktabs}``."""
+    keys, diffs = _columns(table)
+    delta_keys = [k for k in keys if any(key == k for _, key in diffs)]
+    header = ["run", *[k.replace("_", r"\_") for k in keys],
+              *[rf"$\Delta$ {k.replace('_', chr(92) + '_')} vs {_tex(table.compare_to)}" for k in delta_keys]]
+    lines = [r"\begin{tabular}{l" + "c" * (len(header) - 1) + "}", r"\toprule", " & ".join(header) + r" \\",
+             r"\midrule"]
+    for r in table.results:
+        cells = [_tex(r.name)]
+        for k in keys:
+            if k not in r.summary:
+                cells.append("--")
+                continue
+            mean, ci = _cell(r.summary[k])
+            if r.summary[k].mean == _best(table.results, k):
+                mean = rf"\textbf{{{mean}}}"
+            cells.append(f"${mean} \\pm {ci}$" if ci else f"${mean}$")
+        for k in delta_keys:
+            d = diffs.get((r.name, k))
+            p = "" if d is None or math.isnan(d.p_adjusted) else f", $p={max(d.p_adjusted, 0.001):.3f}$"
+            cells.append("--" if d is None else f"${d.mean:+.4f}$ [{d.low:+.4f}, {d.high:+.4f}]{p}"
+                         + ("$^*$" if d.significant else ""))
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", f"% {_footnote(table)}"]
+    if table.tuned:
+        lines.append(f"% {table.tuned}")
+    return "\n".join(lines) + "\n"
+
+
+def _tex(text: str) -> str:
+    for char in ("\\", "&", "%", "$", "#", "_", "{", "}"):
+        text = text.replace(char, "\\" + char if char != "\\" else r"\textbackslash{}")
+    return text
+
+
+def _footnote(table: Table) -> str:
+    n = max(len(r.runs) for r in table.results)
+    p = ("p adjusted by Holm's method over the table's comparisons of each metric" if table.correction == "holm"
+         else "p not adjusted for multiple comparisons")
+    return (f"mean ± 95% interval over {n} seed(s); Δ: paired difference over the same seeds with its 95% interval; "
+            f"{p}; * = adjusted p < 0.05")
+
+
+def csv_text(table: Table) -> str:
+    return comparison_csv(table.results)
+
+
+def curves(client, table: Table, metric: str) -> list[tuple[str, list[float], list[float], list[float]]]:
+    """Each point's ``metric`` by round: the mean over its seed runs' histories and the 95%
+    interval's half-width."""
+    out = []
+    for result in table.results:
+        histories = [{m.step: m.value for m in client.get_metric_history(run.run_id, metric)}
+                     for run in result.runs]
+        steps = sorted(set.intersection(*(set(h) for h in histories))) if histories else []
+        summaries = [summarize([h[step] for h in histories]) for step in steps]
+        if steps:
+            out.append((result.name, steps, [s.mean for s in summaries], [s.ci95 for s in summaries]))
+    return out
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: str | None, metric: str, out) -> int:
+    from mlflow.tracking import MlflowClient
+
+    uri = store_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    found = studies(client)
+    if wanted is None:
+        if not found:
+            print(f"no pfl study in {uri}", file=out)
+            return 0
+        rows = [[s.id, s.date, s.experiment, ", ".join(s.methods), len(s.seeds) or 1, "yes" if s.tuned else "no",
+                 s.status, len(s.runs)] for s in reversed(found)]
+        print_table(["study", "date", "experiment", "methods", "seeds", "tuned", "status", "runs"], rows, out)
+        return 0
+    study = find(found, wanted)
+    table = load(client, study)
+    if plot is not None:
+        draw(client, table, metric, plot, study)
+    if fmt == "markdown":
+        out.write(markdown(table))
+    elif fmt == "latex":
+        out.write(latex(table))
+    elif fmt == "csv":
+        out.write(csv_text(table))
+    else:
+        print(f"study {study.id}: experiment {study.experiment!r}, {study.date}, {study.status}", file=out)
+        if table.tuned:
+            print(table.tuned, file=out)
+        print_comparison(table.results, table.compare_to, out, table.correction, table.budget)
+    return 0
+
+
+def draw(client, table: Table, metric: str, path: str, study: StoredStudy) -> None:
+    from pfl_core.tracking import plots
+
+    drawn = curves(client, table, metric)
+    if not drawn:
+        counts = Counter(k for r in table.results for k in r.summary)
+        raise PflError(f"--metric: the study's runs log no per-round {metric!r}"
+                       f"{did_you_mean(metric, list(counts))}")
+    seeds = max(len(r.runs) for r in table.results)
+    figure = plots.mean_curves_figure(drawn, metric, f"{study.experiment} ({study.id}): {metric}, {seeds} seed(s)")
+    try:
+        figure.savefig(path)
+    except OSError as exc:
+        raise PflError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plots.close(figure)

@@ -1,0 +1,140 @@
+"""``pfl results``: a stored study's table is the table pfl-run printed, rebuilt from the MLflow
+store alone; studies are found by id, prefix, experiment name and "last"; exports and curves."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+from test_cli import one_line_error, write_spec
+from tiny import tiny_raw
+
+from pfl_core.cli import main
+from pfl_core.study import run_spec_file, stats
+from pfl_core.study.stored import curves, find, load, studies
+
+
+def pfl(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def comparison_block(text: str) -> str:
+    return text[text.index("== comparison"):].split("\n\n")[0].strip()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Two studies in one store: a 3-method sweep over 2 seeds (printed output kept), then one run."""
+    folder = tmp_path_factory.mktemp("results")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 2, "experiment.seeds": [0, 1], "tracking.enabled": True,
+                      "evaluation.every": 1, "experiment.name": "sweep_study"})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "local", "fedprox"]}
+    printed = io.StringIO()
+    results = run_spec_file(write_spec(folder, raw), [], quiet=True, tracking_uri=uri, out=printed)
+    single = tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True, "experiment.name": "single_study"})
+    run_spec_file(write_spec(folder, single, "single.toml"), [], quiet=True, tracking_uri=uri, out=io.StringIO())
+    mlflow.set_tracking_uri(None)
+    return uri, printed.getvalue(), results
+
+
+def test_a_stored_studys_table_is_the_table_pfl_run_printed(store, capsys):
+    uri, printed, _ = store
+    code, out, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri)
+    assert code == 0, err
+    assert comparison_block(out) == comparison_block(printed)
+
+
+def test_the_list_names_each_study_newest_first(store, capsys):
+    uri, _, _ = store
+    code, out, _ = pfl(capsys, "results", "--tracking-uri", uri)
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0].split() == ["study", "date", "experiment", "methods", "seeds", "tuned", "status", "runs"]
+    assert "single_study" in lines[1] and "sweep_study" in lines[2] and len(lines) == 3
+    assert "fedavg, local, fedprox" in lines[2] and lines[2].split()[-3:] == ["no", "FINISHED", "10"]
+
+
+def test_a_study_is_found_by_last_id_prefix_and_name(store):
+    uri, _, results = store
+    found = studies(MlflowClient(tracking_uri=uri))
+    sweep_id = MlflowClient(tracking_uri=uri).get_run(results[0].run_id).data.tags["pfl.study"]
+    assert find(found, "last").experiment == "single_study"
+    assert find(found, sweep_id).id == find(found, sweep_id[:5]).id == find(found, "sweep").id == sweep_id
+
+
+@pytest.mark.parametrize("args, words", [
+    (["nosuch"], "no study 'nosuch' in this store"),
+    (["swep_study"], "did you mean 'sweep_study'"),
+])
+def test_an_unknown_study_is_one_line_and_exit_2(store, capsys, args, words):
+    uri, _, _ = store
+    code, _, err = pfl(capsys, "results", *args, "--tracking-uri", uri)
+    assert code == 2 and words in one_line_error(err)
+
+
+def test_a_missing_store_is_one_line_and_creates_nothing(tmp_path, capsys):
+    code, _, err = pfl(capsys, "results", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}")
+    assert code == 2 and "no MLflow store at" in one_line_error(err)
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_exports_bold_the_best_and_carry_the_numbers(store, capsys):
+    uri, _, results = store
+    by_name = {r.name: r for r in results}
+    best = max(results, key=lambda r: r.summary["acc_mean"].mean)
+    _, md, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "markdown")
+    row = next(line for line in md.splitlines() if line.startswith(f"| {best.name} |"))
+    assert f"**{best.summary['acc_mean'].mean:.4f} ± {best.summary['acc_mean'].ci95:.4f}**" in row
+    assert sum(line.count("**") for line in md.splitlines() if "acc_mean" not in line) == 2 * 2  # one per column
+    _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "latex")
+    assert tex.startswith(r"\begin{tabular}") and rf"\textbf{{{best.summary['acc_mean'].mean:.4f}}} \pm" in tex
+    assert "fedavg" in tex and r"\bottomrule" in tex
+    _, text, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "csv")
+    rows = {r["run"]: r for r in csv.DictReader(io.StringIO(text))}
+    for name in ("fedavg", "local", "fedprox"):
+        assert float(rows[name]["acc_mean_mean"]) == pytest.approx(by_name[name].summary["acc_mean"].mean)
+        assert float(rows[name]["acc_mean_ci95"]) == pytest.approx(by_name[name].summary["acc_mean"].ci95)
+
+
+def test_the_plot_draws_each_methods_mean_curve_over_its_seeds(store, capsys, tmp_path):
+    uri, _, results = store
+    client = MlflowClient(tracking_uri=uri)
+    table = load(client, find(studies(client), "sweep"))
+    drawn = {name: (steps, means, half) for name, steps, means, half in curves(client, table, "acc_mean")}
+    assert set(drawn) == {"fedavg", "local", "fedprox"}
+    for result in results:
+        steps, means, half = drawn[result.name]
+        assert steps == [1, 2]
+        for i, step in enumerate(steps):
+            expected = stats.summarize([row["acc_mean"] for run in result.runs for row in run.history
+                                        if row["round"] == step])
+            assert means[i] == pytest.approx(expected.mean) and half[i] == pytest.approx(expected.ci95)
+    picture = tmp_path / "curves.png"
+    code, _, err = pfl(capsys, "results", "last", "--tracking-uri", uri, "--plot", str(picture), "--format", "csv")
+    assert code == 0, err
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--plot", str(tmp_path / "x.png"),
+                       "--metric", "acc_meen")
+    assert code == 2 and "did you mean 'acc_mean'" in one_line_error(err)
+
+
+def test_a_tuned_study_says_so_in_the_list_and_above_its_table(tmp_path, capsys, monkeypatch):
+    from test_tune import tune_raw
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    printed = io.StringIO()
+    run_spec_file(write_spec(tmp_path, tune_raw(trials=2, **{"tracking.enabled": True})), [], quiet=True,
+                  tracking_uri=uri, out=printed)
+    mlflow.set_tracking_uri(None)
+    _, listing, _ = pfl(capsys, "results", "--tracking-uri", uri)
+    assert listing.splitlines()[1].split()[-3:] == ["yes", "FINISHED", str(len(studies(MlflowClient(uri))[0].runs))]
+    _, out, _ = pfl(capsys, "results", "last", "--tracking-uri", uri)
+    tuned_line = next(line for line in printed.getvalue().splitlines() if line.startswith("tuned: "))
+    assert tuned_line in out.splitlines()
+    assert comparison_block(out) == comparison_block(printed.getvalue())
