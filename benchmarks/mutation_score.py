@@ -51,8 +51,10 @@ PARAMS_TEST = "tests/test_baseline_params.py"  # every parameter of the issue-10
 SHARED_PARTIAL = ["tests/test_partial_baselines.py", "tests/test_pmixfed_baselines.py"]
 TESTS: dict[str, list[str]] = {
     "pfl_core/runtime/aggregate.py": ["tests/test_aggregate.py", "tests/test_fedavg.py"],
-    "pfl_core/runtime/training.py": ["tests/test_training.py", "tests/test_core_loop.py"],
-    "pfl_core/engine/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py"],
+    "pfl_core/runtime/training.py": ["tests/test_training.py", "tests/test_core_loop.py", "tests/test_client_api.py"],
+    "pfl_core/engine/engine.py": ["tests/test_engine.py", "tests/test_core_loop.py", "tests/test_client_api.py"],
+    # issue 23: the gradient hook, the step count and the staged state, as a client sees them
+    "pfl_core/runtime/context.py": ["tests/test_client_api.py", "tests/test_training.py", "tests/test_core_loop.py"],
     "pfl_core/state/stateio.py": ["tests/test_stateio.py"],
     "pfl_core/models/zoo.py": ["tests/test_models.py"],
     # Issue 20's reliability code: the journal's file check, the float32 bound, the store's creation
@@ -124,6 +126,24 @@ TESTS: dict[str, list[str]] = {
     "plugins/pfedme": ["tests/test_pfedme.py", PARAMS_TEST],
     "plugins/pmixfed": ["tests/test_pmixfed.py", "tests/test_pmixfed_baselines.py"],
     "plugins/privacy": ["tests/test_privacy.py"],
+    # issue 23: the gradient-correction methods
+    "plugins/scaffold": ["tests/test_scaffold.py"],
+    "plugins/feddyn": ["tests/test_feddyn.py"],
+    "plugins/fednova": ["tests/test_fednova.py"],
+    # issue 23: feature-level personalization
+    "plugins/feddbe": ["tests/test_feddbe.py"],
+    "plugins/fedgen": ["tests/test_fedgen.py"],
+    "plugins/fedcp": ["tests/test_fedcp.py"],
+    "plugins/gpfl": ["tests/test_gpfl.py"],
+    # issue 23: the personalized-aggregation methods
+    "plugins/fedala": ["tests/test_fedala.py"],
+    "plugins/fedamp": ["tests/test_fedamp.py"],
+    "plugins/fedfomo": ["tests/test_fedfomo.py"],
+    "plugins/apple": ["tests/test_apple.py"],
+    # issue 23: server optimisers, model-contrastive training, decoupled heads
+    "plugins/fedopt": ["tests/test_fedopt.py"],
+    "plugins/moon": ["tests/test_moon.py"],
+    "plugins/fedrod": ["tests/test_fedrod.py"],
 }
 NAME_TEST = "tests/test_baselines.py::test_every_built_in_plugin_carries_its_entry_point_name"
 DOCS_TEST = "tests/test_docs.py"  # a parameter's documented text, default and constraint

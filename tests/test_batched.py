@@ -164,3 +164,24 @@ def test_batched_with_several_architectures_is_refused_at_executor_name(tmp_path
 def test_on_cuda_clients_trained_together_match_the_sequential_loop(name, extra):
     # An MLP: cuDNN may run convolutions in TF32, which would blur the comparison.
     assert_close_to_sequential({"algorithm.name": name, **UNEVEN, **extra, "executor.device": "cuda"})
+
+
+def test_what_on_receive_put_in_scratch_reaches_client_upload(monkeypatch):
+    """Trained together, each client's later hooks run on a fresh Client: the scratch its
+    on_receive filled (FedProx's anchor w_t here) must still be there in client_upload."""
+    from pfl_core.api import hookimpl
+    from pfl_plugins.fedprox import FedProx
+
+    seen = []
+    original = FedProx.client_upload
+
+    def client_upload(self, ctx, client):
+        seen.append([t.clone() for t in client.scratch["w_t"]])  # KeyError if the scratch was lost
+        return original(self, ctx, client)
+
+    monkeypatch.setattr(FedProx, "client_upload", hookimpl(client_upload), raising=True)
+    assert_close_to_sequential({"algorithm.name": "fedprox", "algorithm.params": {"mu": 0.5}, **UNEVEN})
+    sequential_anchors, batched_anchors = seen[:len(seen) // 2], seen[len(seen) // 2:]
+    assert len(sequential_anchors) == len(batched_anchors) > 0
+    for a, b in zip(sequential_anchors, batched_anchors):
+        assert all(torch.allclose(x, y, rtol=0, atol=ATOL) for x, y in zip(a, b))

@@ -1,5 +1,5 @@
 """Issue 11: the client-side contract. Client hooks (on_receive, local_train, local_objective,
-client_upload, personalized_models, coldstart_personalize) see their message, the client's own
+adjust_gradients, client_upload, personalized_models, coldstart_personalize) see their message, the client's own
 state and read-only run data, never the server's state, other clients' state, the tracker or
 the byte counters: an executor may run them in another process or machine.
 
@@ -20,8 +20,8 @@ from pfl_core import hookimpl, registry
 from pfl_core.engine import Engine, resolve
 from pfl_core.runtime.context import ClientContractError, ClientView
 
-CLIENT_HOOKS = ("on_receive", "local_train", "local_objective", "client_upload", "personalized_models",
-                "coldstart_personalize")
+CLIENT_HOOKS = ("on_receive", "local_train", "local_objective", "adjust_gradients", "client_upload",
+                "personalized_models", "coldstart_personalize")
 COLD = {"experiment.rounds": 2, "experiment.coldstart_clients": 1, "experiment.coldstart_epochs": 1,
         "data.params.num_devices": 5, "partition.num_clients": 5}
 SEQUENTIAL = {"executor.name": "sequential"}  # the spy sees every call in this process
@@ -47,6 +47,10 @@ class SeesOnlyAView:
     @hookimpl(tryfirst=True)
     def local_objective(self, ctx, client, model, x, y, logits):
         self._saw("local_objective", ctx)
+
+    @hookimpl(tryfirst=True)
+    def adjust_gradients(self, ctx, client, model, optimizer):
+        self._saw("adjust_gradients", ctx)
 
     @hookimpl(tryfirst=True)
     def client_upload(self, ctx, client):

@@ -371,7 +371,9 @@ def test_workers_die_with_a_killed_run(tmp_path):
         "def slow(i):\n"
         "    print(os.getpid(), flush=True)\n"
         "    time.sleep(60)\n"
-        "list(ProcessExecutor(2).map(slow, range(2)))\n" % (os.getcwd(), os.path.join(os.getcwd(), "tests")))
+        "executor = ProcessExecutor(2)\n"
+        "executor.CHUNK = 1  # one item per task: both workers start at once and say their pid\n"
+        "list(executor.map(slow, range(2)))\n" % (os.getcwd(), os.path.join(os.getcwd(), "tests")))
     run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     workers = [int(run.stdout.readline()) for _ in range(2)]
     run.kill()

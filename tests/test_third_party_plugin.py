@@ -1,8 +1,10 @@
 """The example third-party package examples/pfl-fedavgm, installed and discovered for real.
 
 The package is installed (offline, no dependencies) into a temporary folder, which then
-goes on PYTHONPATH: pfl finds ``fedavgm`` through the ``pfl`` entry-point group exactly as it
-would after ``pip install pfl-fedavgm``. Nothing is written to the repository or the venv.
+goes on PYTHONPATH: pfl finds ``fedavgm_example`` through the ``pfl`` entry-point group exactly as
+it would after ``pip install pfl-fedavgm``. Nothing is written to the repository or the venv.
+pfl's own FedAvgM is ``fedavgm`` (plugins/fedopt); the example registers a name of its own, and
+the two are checked to agree.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ name = "mlp"
 params = { hidden = [8] }
 
 [algorithm]
-name = "fedavgm"
+name = "fedavgm_example"
 
 [tracking]
 progress = false
@@ -112,7 +114,7 @@ def test_pfl_run_discovers_installed_plugin(site, tmp_path):
     proc = subprocess.run([_script("pfl-run"), str(spec), "--no-tracking", "--clients"], cwd=tmp_path, env=_env(site),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "== fedavgm: per-client results (test split) ==" in proc.stdout
+    assert "== fedavgm_example: per-client results (test split) ==" in proc.stdout
     table = proc.stdout.split("per-client results (test split) ==")[1].splitlines()
     assert table[1].split()[:3] == ["client", "arch", "num_train"]
     assert [line.split()[0] for line in table[2:6]] == ["0", "1", "2", "3"]
@@ -125,7 +127,7 @@ def test_pfl_plugins_lists_package_version_and_hook(site, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split(None, 4) for line in proc.stdout.splitlines()]
-    row = next(r for r in rows if r[0] == "fedavgm")
+    row = next(r for r in rows if r[0] == "fedavgm_example")
     name, kind, package, version, hooks = row
     assert (kind, package, version) == ("algorithm", "pfl-fedavgm", "0.1.0")
     assert "server_aggregate" in [h.strip() for h in hooks.split(",")]
@@ -175,23 +177,23 @@ def _final_state(raw: dict):
 
 
 def test_beta0_lr1_equals_fedavg_exactly(discovered):
-    assert registry.discovered()["fedavgm"].distribution == "pfl-fedavgm"
+    assert registry.discovered()["fedavgm_example"].distribution == "pfl-fedavgm"
     fedavg = _final_state(_raw("fedavg")).server["global"]
-    same = _final_state(_raw("fedavgm", beta=0.0, server_lr=1.0))
+    same = _final_state(_raw("fedavgm_example", beta=0.0, server_lr=1.0))
     assert same.server["global"].keys() == fedavg.keys()
     for key, value in fedavg.items():
         assert torch.equal(same.server["global"][key], value), key
     assert set(same.server["momentum"]) == set(fedavg)  # the buffer is engine-owned server state
 
-    moved = _final_state(_raw("fedavgm")).server["global"]  # default beta = 0.9
+    moved = _final_state(_raw("fedavgm_example")).server["global"]  # default beta = 0.9
     assert any(not torch.equal(moved[k], v) for k, v in fedavg.items())
 
 
 def test_params_are_validated_with_their_key(discovered):
     with pytest.raises(SpecError, match=r"^algorithm\.params\.server_lr: must be > 0, got 0\.0$"):
-        resolve(_raw("fedavgm", server_lr=0.0))
+        resolve(_raw("fedavgm_example", server_lr=0.0))
     with pytest.raises(SpecError, match=r"^algorithm\.params\.momentum: unknown key"):
-        resolve(_raw("fedavgm", momentum=0.9))
+        resolve(_raw("fedavgm_example", momentum=0.9))
 
 
 def test_server_update_follows_the_paper(discovered):
@@ -213,3 +215,16 @@ def test_server_update_follows_the_paper(discovered):
         assert torch.allclose(ctx.server["global"]["w"], w_t, atol=1e-6)
         assert torch.allclose(ctx.server["momentum"]["w"], v, atol=1e-6)
         assert ctx.server["global"]["n"].item() == 1  # non-float entries: FedAvg's (first upload's)
+
+
+def test_the_example_and_the_builtin_fedavgm_agree(discovered):
+    """The tutorial's FedAvgM and pfl's own (plugins/fedopt: beta1 is the example's beta) give the
+    same weights on the same run; the built-in keeps the name ``fedavgm``."""
+    assert registry.discovered()["fedavgm"].distribution == "pfl"
+    for beta, lr in ((0.9, 1.0), (0.5, 0.7)):
+        example = _final_state(_raw("fedavgm_example", beta=beta, server_lr=lr))
+        builtin = _final_state(_raw("fedavgm", beta1=beta, server_lr=lr))
+        for key, value in example.server["global"].items():
+            assert torch.allclose(builtin.server["global"][key], value, rtol=0, atol=1e-6), key
+        for key, v in example.server["momentum"].items():  # the example's v is the built-in's -m
+            assert torch.allclose(builtin.server["m"][key], -v, rtol=0, atol=1e-6), key

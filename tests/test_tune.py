@@ -281,7 +281,7 @@ def test_reference_runs_stay_untuned_and_a_tuned_point_is_not_replaced_by_its_re
     # lr 1e-5 does not learn in 3 rounds; the spec's own lr (0.00001 here) is what the reference runs at
     raw = tune_raw(trials=2, sweep=("local", "fedavg"), space={"training.lr": {"choices": [0.00001, 0.3]}},
                    **{"tune.sampler": "grid", "tune.metric": "val_loss_mean", "tune.direction": "minimize",
-                      "experiment.reference": ["local"], "training.lr": 0.00001})
+                      "experiment.reference": ["local"], "training.lr": 0.00001, "experiment.seeds": [0]})
     out = tmp_path / "out.txt"
     points = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out_dir=str(tmp_path / "o"),
                            out=open(out, "w"))

@@ -135,6 +135,7 @@ class Engine:
         self.run_name = run_name or self.spec.tracking.run_name or self.spec.algorithm.name
         self.progress_label = progress_label or self.run_name  # "run 2/6 fedprox" during a sweep
         self.trained = self.diverged = 0  # skip_client: participants that trained / that diverged, all rounds
+        self.staged: dict[int, dict] = {}  # client.staged of the round's clients until their upload is judged
         self.worker_retries = 0
         self.resume = None
 
@@ -190,7 +191,8 @@ class Engine:
 
     # -- one round --------------------------------------------------------------------
 
-    def _client_results(self, ctx: RunContext, participants: list[int], skip: bool = False) -> Iterator:
+    def _client_results(self, ctx: RunContext, participants: list[int], skip: bool = False,
+                        hold: bool = False) -> Iterator:
         """Run the participants' client side through the executor; yield ``(client_id, upload)``
         in participant order, as the sequential loop would, the server's bookkeeping done.
 
@@ -199,7 +201,9 @@ class Engine:
         bytes up, work, training loss and per-client values. The client side (``run_client``)
         sees only a :class:`ClientView`, so any executor can run it. ``skip``
         (``training.on_nonfinite = "skip_client"``): a diverged client's state stays as before
-        the round and its upload is None; every upload yielded is then a copy."""
+        the round and its upload is None; every upload yielded is then a copy. Each client's
+        ``client.staged`` is merged into its state as its upload is yielded, or, with ``hold``,
+        kept in ``self.staged`` for ``run_round`` to commit when the upload is not lost."""
         view = ctx.client_view()
         executor = ctx.executor
 
@@ -211,7 +215,12 @@ class Engine:
                 yield ClientTask(ctx.round, client_id, message, ctx.store[client_id], skip)
 
         for result in executor.map(functools.partial(run_client, view), tasks()):
-            yield self._absorb(ctx, result)
+            client_id, upload = self._absorb(ctx, result)
+            if hold:  # run_round commits it once it knows the upload arrived
+                self.staged[client_id] = result.staged
+            else:  # streamed: the aggregate receives this upload now
+                commit_staged(ctx, client_id, result.staged)
+            yield client_id, upload
 
     def _absorb(self, ctx: RunContext, result: "ClientResult") -> tuple[int, dict | None]:
         """The server's side of one finished client (see ``_client_results``)."""
@@ -246,13 +255,15 @@ class Engine:
         if skip or hooks.upload_lost.get_hookimpls():
             # Every client first (a diverged or lost upload is only known once it ran), then the
             # aggregate of the arrivals, their weights renormalised; none: the server state stays.
-            kept, skipped = [], 0
-            for i, upload in self._client_results(ctx, participants, skip=skip):
+            kept, skipped, self.staged = [], 0, {}
+            for i, upload in self._client_results(ctx, participants, skip=skip, hold=True):
+                staged = self.staged.pop(i)
                 if upload is None:
                     skipped += 1
                 elif any(hooks.upload_lost(ctx=ctx, client_id=i)):
-                    ctx.comm_up -= nbytes(upload)  # never received: not counted up
+                    ctx.comm_up -= nbytes(upload)  # never received: not counted up, staged state dropped
                 else:  # kept past the next client: a copy (skip's uploads are copies already)
+                    commit_staged(ctx, i, staged)
                     kept.append((i, upload if skip else copy_payload(upload)))
             if skip:
                 ctx.round_metrics["skipped_clients"] = float(skipped)
@@ -437,6 +448,12 @@ class Engine:
 
 
 SERIES_COLUMNS = ("round", "client", "name", "value")  # a row of RunContext.client_series
+
+
+def commit_staged(ctx: RunContext, client_id: int, staged: dict) -> None:
+    """A received upload: the client's ``client.staged`` becomes part of its state."""
+    if staged:
+        ctx.store[client_id].update(staged)
 
 
 def client_aggregates(series: list[dict], round: int) -> dict[str, float]:

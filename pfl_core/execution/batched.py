@@ -17,6 +17,7 @@ Only the standard client side is trained this way; :func:`why_not_batched` decid
   arguments and afterwards only read the trained model (:data:`TRAIN_ONCE`: the core default,
   Local's, and the partial-model family's: LG-FedAvg, FedSim);
 - the ``local_objective`` terms are the core cross-entropy, plus FedProx's proximal term;
+- no plugin implements ``adjust_gradients`` (SCAFFOLD's and FedDyn's corrections);
 - ``training.optimizer = "sgd"``; the model has no buffers (BatchNorm) and no dropout;
   the participants share one architecture.
 
@@ -73,6 +74,8 @@ def why_not_batched(view, participants: list[int]) -> str | None:
     for impl in view.hooks.local_objective.get_hookimpls():
         if _qualified(impl) not in (CROSS_ENTROPY, PROXIMAL):
             return f"local_objective of {impl.plugin_name} is not cross-entropy or FedProx's term"
+    for impl in view.hooks.adjust_gradients.get_hookimpls():
+        return f"adjust_gradients of {impl.plugin_name} changes the gradients"
     archs = {view.models.arch_of(i) for i in participants}
     if len(archs) > 1:
         return f"the participants have several architectures ({', '.join(sorted(archs))})"
@@ -226,15 +229,17 @@ class _Replay:
     method's own ``local_train``, whose ``client.train()`` answers from the joint training.
     Every other hook is the run's."""
 
-    def __init__(self, hooks, trained: dict[int, Trained], trainable: dict[int, set[str]]):
+    def __init__(self, hooks, trained: dict[int, Trained], trainable: dict[int, set[str]], received: dict[int, dict]):
         self._hooks = hooks
         self._trained = trained
         self._trainable = trainable
+        self._received = received  # per client, the scratch its on_receive filled (FedNova's, FedProx's anchor)
 
     def __getattr__(self, name):
         return getattr(self._hooks, name)
 
     def on_receive(self, ctx, client, message):
+        client.scratch.update(self._received.pop(client.id))  # what on_receive left for the later hooks
         return True
 
     def local_train(self, ctx, client):
@@ -294,7 +299,8 @@ def map_clients(fn: Callable, items: Iterable) -> Iterator:
     trained = train_together(clients[0].model, clients, starts, trainable, view.spec.training, mu, anchors)
 
     object.__setattr__(replay_view, "hooks", _Replay(hooks, {c.id: r for c, r in zip(clients, trained)},
-                                                     {c.id: t for c, t in zip(clients, trainable)}))
+                                                     {c.id: t for c, t in zip(clients, trainable)},
+                                                     {c.id: c.scratch for c in clients}))
     for task, (logged, resolved), saved in zip(tasks, reports, before):
         replay_view.logged.extend(logged)  # what its on_receive reported, before the rest
         replay_view.resolved.extend(resolved)

@@ -8,7 +8,8 @@ A round, as the engine runs it (see docs/architecture.md)::
     for each participant i (through the executor, lazily):
         message = on_broadcast(ctx, client_id=i)           # bytes counted down
         on_receive(ctx, client, message)                   # client merges it
-        local_train(ctx, client)                           # batches call local_objective
+        local_train(ctx, client)                           # batches call local_objective, and
+                                                           # adjust_gradients before each step
         upload  = client_upload(ctx, client)               # bytes counted up
         upload_lost(ctx, client_id=i)                      # only if implemented: True drops it
     server_aggregate(ctx, uploads, weights)                # uploads: iterator of (i, upload)
@@ -22,8 +23,8 @@ A round, as the engine runs it (see docs/architecture.md)::
 in ``client.state`` (engine-owned stores): plugins keep no state of their own between rounds,
 so a round can run elsewhere and a run can be checkpointed.
 
-Client-side hooks (``on_receive``, ``local_train``, ``local_objective``, ``client_upload``,
-``personalized_models``, ``coldstart_personalize``) may use only their message, the client's
+Client-side hooks (``on_receive``, ``local_train``, ``local_objective``, ``adjust_gradients``,
+``client_upload``, ``personalized_models``, ``coldstart_personalize``) may use only their message, the client's
 own state (``client.*``) and read-only run data (``ctx.spec``, ``ctx.params``, ``ctx.data``,
 ``ctx.models``, ``ctx.round`` ...); never ``ctx.server``, ``ctx.store``, ``ctx.tracker`` or
 ``ctx.comm_*``: an executor may run them in another process or machine (see "The client-side
@@ -90,16 +91,36 @@ class Hooks:
         """One term of the loss for one batch; the engine sums every plugin's term. The core
         contributes cross-entropy(logits, y); FedProx adds its proximal term."""
 
+    @hookspec
+    def adjust_gradients(self, ctx, client, model, optimizer):
+        """Client side, in every step of ``client.train`` (``run_epochs``), after ``backward()``
+        and before ``optimizer.step()``: change ``p.grad`` of ``model``'s parameters in place
+        (``model.named_parameters()``; a parameter that got no gradient has ``p.grad is None``).
+        For gradient corrections that are not a loss term: SCAFFOLD's ``c - c_i``, FedDyn's
+        linear term. Returns nothing; every implementation runs (algorithm first, then the
+        add-ons, last listed first), each on the gradients the previous one left. ``model`` is
+        the module being trained (usually ``client.model``; check it when your correction is
+        for that model only), ``optimizer`` the optimiser about to step (its ``param_groups``
+        hold the learning rate). Asked once per training call whether any plugin implements
+        it, so it costs nothing otherwise; a training loop of a method's own gets the same
+        call from ``client.gradient_adjuster(model, optimizer)``. While any plugin implements
+        it, the ``batched`` executor trains clients one after another."""
+
     @hookspec(firstresult=True)
     def client_upload(self, ctx, client):
         """Client side: the message sent to the server (bytes counted upstream). It stays valid
-        only until the next client runs: copy what you keep. Default: an empty message."""
+        only until the next client runs: copy what you keep. ``client.steps`` is the number of
+        optimiser steps the client took this round (what ``budget.private_steps`` and
+        ``budget.public_steps`` add up). State the client must keep only if this upload
+        arrives goes in ``client.staged`` (see ``upload_lost``). Default: an empty message."""
 
     @hookspec
     def upload_lost(self, ctx, client_id):
         """Server side, once per participant after it ran (trained and uploaded): return True
         when its upload never reaches the server (a simulated dropout). Any True drops it: the
-        client's work and its state changes are kept (it did train), its upload is not
+        client's work and its ``client.state`` changes are kept (it did train), what it put in
+        ``client.staged`` is dropped (state that must advance only with a received upload,
+        e.g. SCAFFOLD's control variate), its upload is not
         aggregated and its bytes are not counted up (never received), and the other uploads'
         weights are renormalised over the arrivals; when nothing arrives ``server_aggregate``
         is not called and the server state stays as it was. Asked in participant order, in

@@ -44,6 +44,7 @@ class ClientResult:
     logged: list = attrs.Factory(list)  # client.log(...) calls: (client_id, {name: value})
     resolved: list = attrs.Factory(list)  # ctx.resolved_value(...) calls
     diverged: str | None = None  # the NonFiniteError's text
+    staged: dict = attrs.Factory(dict)  # client.staged: merged into its state only if the upload arrives
 
 
 def run_client(view, task: ClientTask) -> ClientResult:
@@ -70,7 +71,9 @@ def run_client(view, task: ClientTask) -> ClientResult:
     if task.skip and upload is not None:
         upload = copy_payload(upload)  # kept until every client ran
     logged, resolved = view.take_reports()
-    return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged)
+    staged = client.staged if upload is not None else {}  # a diverged client's round never happened
+    return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged,
+                        staged)
 
 
 def check_finite(payload) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -175,6 +176,10 @@ class Client:
         # persists across rounds; a worker process gets a copy the engine writes back
         self.state = ctx.store[client_id] if state is None else state
         self.scratch: dict[str, Any] = {}  # this round only
+        # State that advances only when this round's upload reaches the server: the engine
+        # merges it into client.state (key by key) when the upload arrives and drops it when
+        # the upload is lost (upload_lost) or the client is skipped (on_nonfinite).
+        self.staged: dict[str, Any] = {}
         self.work = WorkCounter()  # samples trained on this round (the engine logs the budget)
         # Mini-batch steps this client may take this round over all its training loops (None:
         # no limit; the stragglers add-on sets it) and the steps taken so far (take_batch).
@@ -207,6 +212,24 @@ class Client:
         else:
             self.work.private_steps += 1
         return True
+
+    @property
+    def steps(self) -> int:
+        """Optimiser steps this client took so far this round, over all its training loops
+        (``take_batch`` counts one per mini-batch step, ``count_work`` adds the rest): the
+        per-client, per-round count that ``budget.private_steps`` and ``budget.public_steps``
+        add up."""
+        return self.work.steps
+
+    def gradient_adjuster(self, model: nn.Module, optimizer) -> Callable[[], None] | None:
+        """The ``adjust_gradients`` hook for this client, ``model`` and ``optimizer``, for a
+        training loop to call between ``backward()`` and ``optimizer.step()``; None when no plugin
+        implements it (ask once per loop, not per step). ``train`` uses it."""
+        hook = self.ctx.hooks.adjust_gradients
+        if not hook.get_hookimpls():
+            return None
+        ctx = self.ctx
+        return lambda: hook(ctx=ctx, client=self, model=model, optimizer=optimizer)
 
     @property
     def model(self) -> nn.Module:
@@ -242,14 +265,16 @@ class Client:
         Every epoch is counted as work: ``work`` = "private" or "public"; by default private
         when training on the client's train split, public otherwise (the public set). Stops
         early when the round's ``batch_limit`` is spent (``take_batch``; a partial epoch
-        counts the samples it ran)."""
+        counts the samples it ran). Every step calls the ``adjust_gradients`` hook between
+        ``backward()`` and ``optimizer.step()`` when a plugin implements it."""
         training = self.ctx.spec.training
         model = self.model if model is None else model
         if work is None:
             work = "private" if x is None or x is self.data.train_x else "public"
+        optimizer = optimizer if optimizer is not None else self.optimizer()
         return run_epochs(
             model,
-            optimizer if optimizer is not None else self.optimizer(),
+            optimizer,
             self.data.train_x if x is None else x,
             self.data.train_y if y is None else y,
             epochs=training.local_epochs if epochs is None else epochs,
@@ -260,6 +285,7 @@ class Client:
             drop_last=training.drop_last,
             counter=lambda n: self.count_work(**{work: n}),
             take_batch=lambda: self.take_batch(work),
+            before_step=self.gradient_adjuster(model, optimizer),
         )
 
 

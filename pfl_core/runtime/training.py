@@ -59,6 +59,7 @@ def run_epochs(
     drop_last: bool = False,
     counter=None,
     take_batch: Callable[[], bool] | None = None,
+    before_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data.
 
@@ -66,6 +67,8 @@ def run_epochs(
     over the n samples, its dropped remainder included). ``take_batch()`` is asked before
     every step (``Client.take_batch``, a straggler's batch budget): False stops the training
     there, and the partial epoch counts only the samples of the batches it ran.
+    ``before_step()`` is called between ``backward()`` and ``optimizer.step()`` when given
+    (``Client.gradient_adjuster``: the ``adjust_gradients`` hook).
     """
     model.train()
     n = len(y)
@@ -86,6 +89,8 @@ def run_epochs(
             logits = model(xb)
             loss = loss_fn(model, xb, yb, logits)
             loss.backward()
+            if before_step is not None:
+                before_step()
             optimizer.step()
             total += loss.detach().cpu()
             steps += 1

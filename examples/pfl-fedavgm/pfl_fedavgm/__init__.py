@@ -9,6 +9,10 @@ Federated Visual Classification", 2019 (FedAvg with server momentum).
 With beta = 0 and server_lr = 1 this is FedAvg, bit for bit. Everything but the server
 update is inherited from FedAvg, and the momentum buffer v lives in ``ctx.server`` (server
 state is engine-owned; the plugin object keeps nothing between rounds).
+
+pfl's own FedAvgM (``algorithm.name = "fedavgm"``, plugins/fedopt, beside FedAdagrad, FedAdam
+and FedYogi) is the same method; this package is the tutorial of docs/writing-a-plugin.md and
+registers it as ``fedavgm_example``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class FedAvgMParams:
 
 
 class FedAvgM(WeightAveraging):
-    name = "fedavgm"
+    name = "fedavgm_example"
     Params = FedAvgMParams
 
     @hookimpl
