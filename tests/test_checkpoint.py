@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from test_cli import write_spec
+from harness import NEEDS
 from tiny import tiny_raw
 
 from pfl_core.cli import run_main
@@ -43,6 +44,9 @@ METHODS = {  # one method of each kind the issue names
                   "algorithm.params.supervisor": "mlp",
                   "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": [4]}}},
 }
+NEW_METHODS = ("scaffold", "feddyn", "fednova", "fedadam", "fedyogi", "moon", "fedrod", "fedala", "fedamp",
+               "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl")
+METHODS.update({name: {"algorithm.name": name, **NEEDS.get(name, {})} for name in NEW_METHODS})
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +170,9 @@ CASES = [
     ("fedmosaic", [["eval:3"]], 4, 1),
     ("cosmos", [["round:3"]], 3, 0),  # automatic period
     ("fedsimsup", [["train:2:3"]], 3, 1),
+    # issue 23's methods: server state (control variates, optimiser moments, generators, cloud
+    # models, personal heads, previous local models) resumes bit-identical too
+    *[(name, [["round:3"]], 4, 1) for name in NEW_METHODS],
 ]
 
 
