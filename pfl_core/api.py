@@ -32,6 +32,7 @@ from pfl_core.methods.embeddings import (
     embeddings,
     head_keys,
     local_prototypes,
+    rewrite_classifier_input,
 )
 from pfl_core.methods.expertise import dequantise, expertise_bound, quantise
 from pfl_core.methods.partial import (
@@ -60,6 +61,7 @@ from pfl_core.runtime.aggregate import weighted_average
 from pfl_core.runtime.context import ClientView, ModelBank, clone_state, load_state
 from pfl_core.runtime.evaluation import score
 from pfl_core.runtime.training import (
+    add_to_gradients,
     batch_order,
     batch_starts,
     make_optimizer,
@@ -81,7 +83,7 @@ __all__ = [
     # messages and their size
     "Packed", "bits_for_classes", "nbytes",
     # models, clients and training
-    "ClientView", "ModelBank", "batch_order", "batch_starts", "clone_state", "layer_keys", "load_state",
+    "ClientView", "ModelBank", "add_to_gradients", "batch_order", "batch_starts", "clone_state", "layer_keys", "load_state",
     "make_optimizer", "mean_training_loss", "parameterised_layers", "reset_optimizer", "run_epochs", "score",
     "split_at", "weighted_average",
     # seeds
@@ -97,6 +99,6 @@ __all__ = [
     "WeightAveraging", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
     "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",
-    "probe_model", "probe_num_layers", "proximal_term", "quantise", "require_public", "require_single_architecture",
+    "probe_model", "probe_num_layers", "proximal_term", "quantise", "require_public", "rewrite_classifier_input", "require_single_architecture",
     "resolve_split", "spec_archs",
 ]

@@ -28,6 +28,35 @@ class capture_embedding:
         self.handle.remove()
 
 
+class rewrite_classifier_input:
+    """Context manager: every forward of ``model`` records the classifier's input in
+    ``store["emb"]`` and feeds the classifier ``self.rewrite(input)`` instead (a subclass's
+    feature transform: FedDBE's bias, GPFL's valve, FedCP's policy); ``store["emb"]`` is
+    cleared on exit."""
+
+    def __init__(self, model: nn.Module, store: dict | None = None):
+        self.layer = classifier(model)
+        self.store = {} if store is None else store
+
+    def rewrite(self, features: torch.Tensor) -> torch.Tensor | None:
+        """What the classifier reads instead of ``features``; None: ``features`` unchanged."""
+        return None
+
+    def _pre(self, module, inputs):
+        self.store["emb"] = inputs[0]
+        rewritten = self.rewrite(inputs[0])
+        return None if rewritten is None else (rewritten,)
+
+    def __enter__(self):
+        self.handles = [self.layer.register_forward_pre_hook(self._pre)]
+        return self.store
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.store.pop("emb", None)
+
+
 @torch.no_grad()
 def local_prototypes(model, x, y, num_classes, batch_size=1024):
     """({class: mean embedding}, {class: count}) over (x, y) (Eq. 3), in eval mode."""

@@ -99,6 +99,14 @@ def run_epochs(
     return mean_training_loss(total, steps)
 
 
+def add_to_gradients(model: nn.Module, shifts: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+    """``p.grad += scale * shifts[name]`` for every parameter of ``model`` that got a gradient:
+    a gradient correction in ``adjust_gradients`` (SCAFFOLD's c - c_i, FedDyn's linear term)."""
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            p.grad.add_(shifts[name], alpha=scale)
+
+
 def mean_training_loss(losses, steps: int | None = None) -> dict[str, float]:
     """``{"train_loss": mean}`` of a list of step losses (or of their ``total`` over ``steps``);
     {} when no step ran. A non-finite loss stops the run (NonFiniteError: the engine names the

@@ -68,6 +68,7 @@ from pfl_core.api import (
     greater_than,
     hookimpl,
     load_state,
+    rewrite_classifier_input,
 )
 from pfl_plugins.feddbe import FedDBE
 from pfl_plugins.fedpac import ClassifierSplit
@@ -126,34 +127,32 @@ def mmd_rbf(x: torch.Tensor, y: torch.Tensor, bandwidths=BANDWIDTHS) -> torch.Te
     return (kernel(x, x) + kernel(y, y) - 2 * kernel(x, y)).mean()
 
 
-class PolicySplit:
+class PolicySplit(rewrite_classifier_input):
     """While inside: the classifier (W^hp) reads h * s and W^hg's output on h * (1 - s) is added
     to its output (C3); ``store["emb"]`` is h and ``store["policy"]`` s after every forward."""
 
     def __init__(self, model, cpn, global_head, context, tau: float, noise=None, store=None):
-        self.layer, self.cpn, self.global_head = classifier(model), cpn, global_head
+        super().__init__(model, store)
+        self.cpn, self.global_head = cpn, global_head
         self.context, self.tau, self.noise = context, tau, noise
-        self.store = {} if store is None else store
 
-    def _pre(self, module, inputs):
-        h = inputs[0]
+    def rewrite(self, h):
         s = policy(self.cpn(h * self.context), self.tau, self.noise)  # (C1)-(C2): sample-specific
-        self.store["emb"], self.store["policy"] = h, s
+        self.store["policy"] = s
         self._global_part = h * (1 - s)
-        return (h * s,)
+        return h * s
 
     def _post(self, module, inputs, output):
         weight, bias = self.global_head
         return output + F.linear(self._global_part, weight, bias)  # (C3)
 
     def __enter__(self):
-        self.handles = [self.layer.register_forward_pre_hook(self._pre), self.layer.register_forward_hook(self._post)]
-        return self.store
+        store = super().__enter__()
+        self.handles.append(self.layer.register_forward_hook(self._post))
+        return store
 
     def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.store.pop("emb", None)
+        super().__exit__(*exc)
         self._global_part = None
 
 

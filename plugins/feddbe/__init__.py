@@ -79,6 +79,7 @@ from pfl_core.api import (
     load_state,
     model_key,
     probe_model,
+    rewrite_classifier_input,
     spec_archs,
 )
 
@@ -124,25 +125,16 @@ def representation_dim(ctx, method: str) -> int:
     return linear_classifier(ctx.spec, arch, ctx.models.working(arch), method).in_features
 
 
-class RepresentationBias:
+class RepresentationBias(rewrite_classifier_input):
     """While inside: every forward of ``model`` records the classifier's input z^g in
     ``store["emb"]`` and feeds the classifier z^g + ``bias`` (D4); ``bias`` None adds nothing."""
 
     def __init__(self, model: nn.Module, bias, store: dict):
-        self.layer, self.bias, self.store = classifier(model), bias, store
+        super().__init__(model, store)
+        self.bias = bias
 
-    def _pre(self, module, inputs):
-        z = inputs[0]
-        self.store["emb"] = z
-        return None if self.bias is None else (z + self.bias,)
-
-    def __enter__(self):
-        self.handle = self.layer.register_forward_pre_hook(self._pre)
-        return self.store
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-        self.store.pop("emb", None)
+    def rewrite(self, z):
+        return None if self.bias is None else z + self.bias
 
 
 class WithBias(nn.Module):

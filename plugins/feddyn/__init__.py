@@ -46,7 +46,15 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import WeightAveraging, finite, greater_than, hookimpl, proximal_term, weighted_average
+from pfl_core.api import (
+    WeightAveraging,
+    add_to_gradients,
+    finite,
+    greater_than,
+    hookimpl,
+    proximal_term,
+    weighted_average,
+)
 
 
 @define
@@ -95,10 +103,7 @@ class FedDyn(WeightAveraging):
         own = client.scratch.get("feddyn")
         if own is None or model is not client.model:
             return
-        grad = own["grad"]
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                p.grad.sub_(grad[name])
+        add_to_gradients(model, own["grad"], scale=-1.0)
 
     @hookimpl
     def client_upload(self, ctx, client):

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from attrs import define, field
 from torch import nn
 
-from pfl_core.api import at_least, classifier, finite, hookimpl
+from pfl_core.api import at_least, classifier, finite, hookimpl, rewrite_classifier_input
 from pfl_plugins.feddbe import FedDBE
 from pfl_plugins.fedpac import ClassifierSplit
 
@@ -112,24 +112,15 @@ def magnitude_level_loss(f_global: torch.Tensor, frozen_table: torch.Tensor, y: 
     return torch.norm(f_global - frozen_table[y].detach())
 
 
-class Valve:
+class Valve(rewrite_classifier_input):
     """While inside: the classifier reads f^P = CoV(f, p_i) instead of f; ``store["emb"]`` is f."""
 
     def __init__(self, model, cov, personal_input, store=None):
-        self.layer, self.cov, self.personal = classifier(model), cov, personal_input
-        self.store = {} if store is None else store
+        super().__init__(model, store)
+        self.cov, self.personal = cov, personal_input
 
-    def _pre(self, module, inputs):
-        self.store["emb"] = inputs[0]
-        return (self.cov(inputs[0], self.personal),)
-
-    def __enter__(self):
-        self.handle = self.layer.register_forward_pre_hook(self._pre)
-        return self.store
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-        self.store.pop("emb", None)
+    def rewrite(self, f):
+        return self.cov(f, self.personal)
 
 
 class GPFLModel(nn.Module):

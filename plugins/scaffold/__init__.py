@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import SpecError, WeightAveraging, finite, greater_than, hookimpl, weighted_average
+from pfl_core.api import SpecError, WeightAveraging, add_to_gradients, finite, greater_than, hookimpl, weighted_average
 
 
 @define
@@ -116,10 +116,7 @@ class Scaffold(WeightAveraging):
         own = client.scratch.get("scaffold")
         if own is None or model is not client.model:
             return
-        correction = own["correction"]
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                p.grad.add_(correction[name])
+        add_to_gradients(model, own["correction"])
 
     @hookimpl
     def client_upload(self, ctx, client):
