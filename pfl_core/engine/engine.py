@@ -135,7 +135,6 @@ class Engine:
         self.run_name = run_name or self.spec.tracking.run_name or self.spec.algorithm.name
         self.progress_label = progress_label or self.run_name  # "run 2/6 fedprox" during a sweep
         self.trained = self.diverged = 0  # skip_client: participants that trained / that diverged, all rounds
-        self.staged: dict[int, dict] = {}  # client.staged of the round's clients until their upload is judged
         self.worker_retries = 0
         self.resume = None
 
@@ -191,19 +190,17 @@ class Engine:
 
     # -- one round --------------------------------------------------------------------
 
-    def _client_results(self, ctx: RunContext, participants: list[int], skip: bool = False,
-                        hold: bool = False) -> Iterator:
-        """Run the participants' client side through the executor; yield ``(client_id, upload)``
-        in participant order, as the sequential loop would, the server's bookkeeping done.
+    def _client_results(self, ctx: RunContext, participants: list[int], skip: bool = False) -> Iterator:
+        """Run the participants' client side through the executor; yield ``(client_id, upload,
+        staged)`` in participant order, as the sequential loop would, the server's bookkeeping done.
 
         Server side, in this process: the broadcast (bytes counted down) as each client is
         handed to the executor, then, as each result comes back, the client's new state, its
         bytes up, work, training loss and per-client values. The client side (``run_client``)
         sees only a :class:`ClientView`, so any executor can run it. ``skip``
         (``training.on_nonfinite = "skip_client"``): a diverged client's state stays as before
-        the round and its upload is None; every upload yielded is then a copy. Each client's
-        ``client.staged`` is merged into its state as its upload is yielded, or, with ``hold``,
-        kept in ``self.staged`` for ``run_round`` to commit when the upload is not lost."""
+        the round and its upload is None; every upload yielded is then a copy. ``staged`` is the
+        client's ``client.staged``, for the caller to commit once it knows the upload arrived."""
         view = ctx.client_view()
         executor = ctx.executor
 
@@ -215,11 +212,13 @@ class Engine:
                 yield ClientTask(ctx.round, client_id, message, ctx.store[client_id], skip)
 
         for result in executor.map(functools.partial(run_client, view), tasks()):
-            client_id, upload = self._absorb(ctx, result)
-            if hold:  # run_round commits it once it knows the upload arrived
-                self.staged[client_id] = result.staged
-            else:  # streamed: the aggregate receives this upload now
-                commit_staged(ctx, client_id, result.staged)
+            yield (*self._absorb(ctx, result), result.staged)
+
+    def _streamed_uploads(self, ctx: RunContext, participants: list[int]) -> Iterator:
+        """``(client_id, upload)`` as each arrives: the aggregate receives it now, so the
+        client's staged state is committed now."""
+        for client_id, upload, staged in self._client_results(ctx, participants):
+            commit_staged(ctx, client_id, staged)
             yield client_id, upload
 
     def _absorb(self, ctx: RunContext, result: "ClientResult") -> tuple[int, dict | None]:
@@ -255,9 +254,8 @@ class Engine:
         if skip or hooks.upload_lost.get_hookimpls():
             # Every client first (a diverged or lost upload is only known once it ran), then the
             # aggregate of the arrivals, their weights renormalised; none: the server state stays.
-            kept, skipped, self.staged = [], 0, {}
-            for i, upload in self._client_results(ctx, participants, skip=skip, hold=True):
-                staged = self.staged.pop(i)
+            kept, skipped = [], 0
+            for i, upload, staged in self._client_results(ctx, participants, skip=skip):
                 if upload is None:
                     skipped += 1
                 elif any(hooks.upload_lost(ctx=ctx, client_id=i)):
@@ -275,7 +273,7 @@ class Engine:
                     weights = {i: (weights[i] / total if total else 1.0 / len(kept)) for i, _ in kept}
                 hooks.server_aggregate(ctx=ctx, uploads=iter(kept), weights=weights)
         else:
-            uploads: Iterator = self._client_results(ctx, participants)
+            uploads: Iterator = self._streamed_uploads(ctx, participants)
             hooks.server_aggregate(ctx=ctx, uploads=uploads, weights=weights)
             for _ in uploads:  # clients the aggregate did not consume still train
                 pass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -23,8 +22,8 @@ from pfl_core.study.compare import adjust_gains, comparisons
 from pfl_core.study.points import PointResult
 from pfl_core.study.report import COMPARED, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
-from pfl_core.study.seeds import gains, summarize_runs
-from pfl_core.study.stats import Summary, summarize
+from pfl_core.study.seeds import gains, point_curve, summarize_runs
+from pfl_core.study.stats import Summary
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
 
@@ -150,10 +149,8 @@ def load(client, study: StoredStudy) -> Table:
         seeds = [int(r.data.params.get("experiment.seed", 0)) for r in runs]
         results.append(PointResult(run.info.run_name, seeds, finals, summarize_runs(finals), run.info.run_id,
                                    run.data.tags.get("algorithm", ""), run.data.tags.get(GROUP_TAG, ""), seeded))
-    # the sweep's points first, then its reference runs (pfl-run's order)
-    results = [r for r in results if not r.name.startswith(_reference_prefix(r))] + \
-              [r for r in results if r.name.startswith(_reference_prefix(r))]
-    references = [r for r in results if r.name.startswith(_reference_prefix(r))]
+    references = [r for r in results if _is_reference(r)]
+    results = [r for r in results if not _is_reference(r)] + references  # pfl-run's order: the points, then these
     params = points[0].data.params
     correction = params.get("report.correction", "holm")
     if references:
@@ -164,8 +161,9 @@ def load(client, study: StoredStudy) -> Table:
     return Table(results, compare_to, correction, params.get("report.budget", "passes"), _tuning_line(study))
 
 
-def _reference_prefix(result: PointResult) -> str:
-    return f"{result.resolved_algorithm}{REFERENCE}"
+def _is_reference(result: PointResult) -> bool:
+    """A reference run: named ``<algorithm> (reference)`` (then the group's settings)."""
+    return result.name.startswith(f"{result.resolved_algorithm}{REFERENCE}")
 
 
 def _tuning_line(study: StoredStudy) -> str:
@@ -289,12 +287,11 @@ def curves(client, table: Table, metric: str) -> list[tuple[str, list[float], li
     interval's half-width."""
     out = []
     for result in table.results:
-        histories = [{m.step: m.value for m in client.get_metric_history(run.run_id, metric)}
-                     for run in result.runs]
-        steps = sorted(set.intersection(*(set(h) for h in histories))) if histories else []
-        summaries = [summarize([h[step] for h in histories]) for step in steps]
+        for run in result.runs:  # the run's history, as the run had it: one row per logged step
+            run.history = [{"round": m.step, metric: m.value} for m in client.get_metric_history(run.run_id, metric)]
+        steps, means, half = point_curve(result, metric)
         if steps:
-            out.append((result.name, steps, [s.mean for s in summaries], [s.ci95 for s in summaries]))
+            out.append((result.name, steps, means, half))
     return out
 
 
@@ -338,9 +335,8 @@ def draw(client, table: Table, metric: str, path: str, study: StoredStudy) -> No
 
     drawn = curves(client, table, metric)
     if not drawn:
-        counts = Counter(k for r in table.results for k in r.summary)
-        raise PflError(f"--metric: the study's runs log no per-round {metric!r}"
-                       f"{did_you_mean(metric, list(counts))}")
+        logged = sorted({k for r in table.results for k in r.summary})
+        raise PflError(f"--metric: the study's runs log no per-round {metric!r}{did_you_mean(metric, logged)}")
     seeds = max(len(r.runs) for r in table.results)
     figure = plots.mean_curves_figure(drawn, metric, f"{study.experiment} ({study.id}): {metric}, {seeds} seed(s)")
     try:
