@@ -71,6 +71,8 @@ TESTS: dict[str, list[str]] = {
         "test_a_difference_significant_alone_is_not_once_corrected_for_the_table",
         "test_comparison_marks_only_significant_differences", "test_the_gains_are_a_family_each_over_the_runs",
         "test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees")],
+    "pfl_core/study/stored.py": ["tests/test_results_cli.py"],
+    "pfl_core/tracking/links.py": ["tests/test_terminal.py::test_sweep_shows_run_k_of_n_and_a_loading_line_and_ends_with_the_mlflow_location"],
     "pfl_core/study/tune.py": ["tests/test_tune.py::test_bad_tuning_input_is_one_line_naming_the_key_before_data_loads",
                                "tests/test_tune.py::test_the_tuning_seed_is_not_a_final_seed_and_the_trials_share_one_partition",
                                "tests/test_tune.py::test_tuning_finds_the_learning_rate_that_learns_and_runs_the_point_at_it",

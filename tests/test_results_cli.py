@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 
 import mlflow
 import pytest
@@ -57,6 +58,7 @@ def test_the_list_names_each_study_newest_first(store, capsys):
     assert code == 0 and lines[0].split() == ["study", "date", "experiment", "methods", "seeds", "tuned", "status", "runs"]
     assert "single_study" in lines[1] and "sweep_study" in lines[2] and len(lines) == 3
     assert "fedavg, local, fedprox" in lines[2] and lines[2].split()[-3:] == ["no", "FINISHED", "10"]
+    assert re.match(r"\w{12} +\d{4}-\d\d-\d\d \d\d:\d\d ", lines[2]), lines[2]  # id, then the date
 
 
 def test_a_study_is_found_by_last_id_prefix_and_name(store):
@@ -88,12 +90,14 @@ def test_exports_bold_the_best_and_carry_the_numbers(store, capsys):
     by_name = {r.name: r for r in results}
     best = max(results, key=lambda r: r.summary["acc_mean"].mean)
     _, md, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "markdown")
+    assert md.splitlines()[0] == "| run | seeds | acc_mean | acc_p10 | Δacc_mean vs fedavg | Δacc_p10 vs fedavg |"
     row = next(line for line in md.splitlines() if line.startswith(f"| {best.name} |"))
     assert f"**{best.summary['acc_mean'].mean:.4f} ± {best.summary['acc_mean'].ci95:.4f}**" in row
     assert sum(line.count("**") for line in md.splitlines() if "acc_mean" not in line) == 2 * 2  # one per column
     _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "latex")
     assert tex.startswith(r"\begin{tabular}") and rf"\textbf{{{best.summary['acc_mean'].mean:.4f}}} \pm" in tex
     assert "fedavg" in tex and r"\bottomrule" in tex
+    assert r"run & acc\_mean & acc\_p10 & $\Delta$ acc\_mean vs fedavg & $\Delta$ acc\_p10 vs fedavg \\" in tex
     _, text, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "csv")
     rows = {r["run"]: r for r in csv.DictReader(io.StringIO(text))}
     for name in ("fedavg", "local", "fedprox"):
@@ -137,4 +141,18 @@ def test_a_tuned_study_says_so_in_the_list_and_above_its_table(tmp_path, capsys,
     _, out, _ = pfl(capsys, "results", "last", "--tracking-uri", uri)
     tuned_line = next(line for line in printed.getvalue().splitlines() if line.startswith("tuned: "))
     assert tuned_line in out.splitlines()
+    assert comparison_block(out) == comparison_block(printed.getvalue())
+
+
+def test_a_study_with_reference_runs_is_rebuilt_with_its_gains(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 1, "experiment.seeds": [0, 1], "tracking.enabled": True,
+                      "experiment.reference": ["local"]})
+    raw["sweep"] = {"algorithm.name": ["fedavg", "fedprox"]}
+    printed = io.StringIO()
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out=printed)
+    mlflow.set_tracking_uri(None)
+    code, out, err = pfl(capsys, "results", "last", "--tracking-uri", uri)
+    assert code == 0, err
+    assert "gain_vs_local" in comparison_block(out) and "local (reference)" in comparison_block(out)
     assert comparison_block(out) == comparison_block(printed.getvalue())
