@@ -28,7 +28,7 @@ from pfl_plugins.apple import (
 BASE = {"algorithm.name": "apple", "model.params.hidden": [8], "experiment.rounds": 3}
 
 
-# -- (A1)-(A4) by hand -------------------------------------------------------------------------------
+# -- Eq. 4-7 by hand -------------------------------------------------------------------------------
 
 
 def test_the_personalized_model_is_the_p_weighted_sum_of_core_models():

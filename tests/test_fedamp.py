@@ -1,6 +1,6 @@
 """FedAMP (plugins/fedamp): the attention weights and the personalized cloud models of three
-clients by hand (HeurFedAMP's cosine rule and Eq. 7's distance rule), the cloud model each
-participant receives in a run, Eq. 8's proximal term and starting point, xi = 1 with lam = 0 =
+clients by hand (HeurFedAMP's cosine rule and Eq. 5's distance rule), the cloud model each
+participant receives in a run, Eq. 6's proximal term and starting point, xi = 1 with lam = 0 =
 Local bit for bit, what is evaluated, bytes, bad input."""
 
 import math
@@ -29,7 +29,7 @@ BASE = {"algorithm.name": "fedamp", "model.params.hidden": [8], "experiment.roun
 W = {1: {"w": torch.tensor([1.0, 0.0])}, 2: {"w": torch.tensor([0.0, 1.0])}, 3: {"w": torch.tensor([1.0, 1.0])}}
 
 
-# -- Eq. 6-7 by hand ---------------------------------------------------------------------------------
+# -- Eq. 5 by hand ---------------------------------------------------------------------------------
 
 
 def test_cosine_attention_and_cloud_models_of_three_clients_by_hand():

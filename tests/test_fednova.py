@@ -291,7 +291,7 @@ def test_adam_is_refused_naming_the_key():
         resolve(tiny_raw(**{"algorithm.name": "fednova", "training.optimizer": "adam"}))
     assert info.value.path == "training.optimizer"
     assert info.value.message == ("fednova normalises by ||a_i||_1, the weights SGD's steps give the local gradients "
-                                  "(Eq. 5); got 'adam', use \"sgd\"")
+                                  "(Section 4.1); got 'adam', use \"sgd\"")
 
 
 def test_momentum_is_accepted():

@@ -1,32 +1,35 @@
 """APPLE: Luo and Wu, "Adapt to Adaptation: Learning Personalization for Cross-Silo Federated
-Learning", IJCAI 2022.
+Learning", IJCAI 2022 (arXiv:2110.08394), Algorithm 1.
 
 Every client j trains a *core model* theta_j and shares it. Client i keeps copies of the core
 models of all N clients and a directed-relationship (DR) vector p_i = (p_i1, ..., p_iN); its
 personalized model is their p_i-weighted sum, and it learns both its own core model and p_i on
 its own data:
 
-    (A1)  theta-hat_i = sum_j p_ij theta_j                              (the personalized model)
-    (A2)  loss_i = F_i(theta-hat_i) + mu lambda(r) ||p_i - p_0||^2        (the regularised loss)
-    (A3)  lambda(r) = (cos(pi r / L) + 1) / 2  ("cosine")  or  0.001^(r / L)  ("exponential")
-          for r < L, 0 afterwards: the loss scheduler, r the round counted from 0
-    (A4)  per mini-batch:  theta_i <- theta_i - eta grad_{theta_i} loss_i   (= p_ii grad_{theta-hat} F_i)
-                           p_i     <- p_i - eta_p grad_{p_i} loss_i,
-          d loss_i / d p_ij = <grad_{theta-hat} F_i, theta_j> + 2 mu lambda(r) (p_ij - p_0j);
-          the other clients' core models are fixed copies
+    Eq. 4      theta-hat_i = sum_j p_ij theta_j                         (the personalized model)
+    Eq. 7      loss_i = F_i(theta-hat_i) + mu lambda(r) ||p_i - p_0||^2   (the regularised loss; the
+               paper writes lambda(r) mu / 2, the authors' code drops the 1/2: we follow the code)
+    App. A.1   lambda(r) = (cos(pi r / L) + 1) / 2  ("cosine")  or  0.001^(r / L)  ("exponential")
+               for r < L, 0 afterwards: the loss scheduler, r the round counted from 0 (as the
+               authors' code; Algorithm 1 counts rounds from 1)
+    Eq. 5-6    per mini-batch:  theta_i <- theta_i - eta grad_{theta_i} loss_i   (= p_ii grad_{theta-hat} F_i)
+                                p_i     <- p_i - eta_p grad_{p_i} loss_i,
+               d loss_i / d p_ij = <grad_{theta-hat} F_i, theta_j> + 2 mu lambda(r) (p_ij - p_0j);
+               the other clients' core models are fixed copies
 
     server: theta_j^0 = the seeded initial weights for every j                       (setup)
     each round r, each participant i:
         server: sends the core models that changed since i last received them     (on_broadcast)
-        client: stores the copies                                                   (on_receive)
-                training.local_epochs epochs of (A4) on its training split           (local_train)
-                uploads its core model theta_i                                     (client_upload)
+        client: stores the copies (Algorithm 1, line 5)                             (on_receive)
+                training.local_epochs epochs of Eq. 5-6 on Eq. 7, theta-hat_i from Eq. 4
+                on its training split (lines 6-9)                                    (local_train)
+                uploads its core model theta_i (line 10)                           (client_upload)
         server: stores theta_i                                                   (server_aggregate)
-    evaluation: (A1) with the client's p_i, its own core model and the copies it holds
+    evaluation: Eq. 4 with the client's p_i, its own core model and the copies it holds
 
-(A1)-(A4) label the steps in this docstring; we could not check the paper's equation numbers, so
-the labels are ours. The authors' code (github.com/ljaiverson/pFL-APPLE, read, not copied) is the
-reference for what the paper leaves open:
+Equation, appendix and line numbers are those of the arXiv version (2110.08394), whose text we
+read. The authors' code (github.com/ljaiverson/pFL-APPLE, read, not copied) is the reference for
+what the paper leaves open:
 
 - p_0 = p_i's initial value = (n_1, ..., n_N) / n, FedAvg's weights (``prior = "samples"``, the
   authors' ``init_pss``): early on, with lambda(r) near 1, theta-hat_i stays near the global
@@ -38,8 +41,8 @@ reference for what the paper leaves open:
   ``reg_loss``. With L_rounds = 0 (short runs) the regulariser is off.
 - The core model's step is the spec's optimiser at training.lr on grad_{theta_i} = p_ii
   grad_{theta-hat}, the true gradient, as in the authors' code (PFLlib multiplies the step by N
-  and replaces the inner product of (A4) by a mean of element-wise means); p_i uses the same
-  optimiser kind (momentum included) at ``p_lr``, without weight decay.
+  and replaces the inner product in Eq. 6's gradient by a mean of element-wise means); p_i uses
+  the same optimiser kind (momentum included) at ``p_lr``, without weight decay.
 - Downloads: the authors' client holds a copy of every core model and downloads all of them in
   each round (or, with limited bandwidth, M of them). Here the server sends participant i every
   other core model that changed since i last received it (full participation: every other core
@@ -47,8 +50,9 @@ reference for what the paper leaves open:
   client builds itself, as their code notes). With ``num_downloads = M`` at most M are sent: the
   ones i never received first (in random order), then drawn without replacement with
   probabilities proportional to base^|p_ij|, base = max(1.5, (r M / N)): the authors' rule with
-  their ``thresh = 1.5``, ``lamb = 1``; the client then also uploads p_i (N floats, counted) so
-  the server can apply it. Their code never marks a model as received, so its "first the models
+  their ``thresh = 1.5``, ``lamb = 1`` (the paper's Appendix A.2, Eq. 8-9, with r counted from
+  0 as in their code); the client then also uploads p_i (N floats, counted) so the server can
+  apply it. Their code never marks a model as received, so its "first the models
   never received" branch is all it ever runs; we keep the record.
 - Uploads of a round are stored after that round's aggregation: every download of round r is a
   core model of an earlier round.
@@ -57,7 +61,7 @@ reference for what the paper leaves open:
 - Bytes: the core models sent (up to N - 1 per participant a round) down, theta_i (and p_i with
   ``num_downloads``) up. Each client stores up to N - 1 copies of core models.
 - p_ii is logged per client as ``apple_self_weight``.
-- Cold start: the newcomer downloads every training client's core model, starts from (A1) with
+- Cold start: the newcomer downloads every training client's core model, starts from Eq. 4 with
   p_0 over the training clients and trains ``experiment.coldstart_epochs`` epochs of plain SGD
   on that model (the DR vector needs the newcomer's own core model, which it does not have).
 """
@@ -93,14 +97,16 @@ DOWNLOAD_THRESHOLD = 1.5  # the smallest base of base^|p_ij| (the authors' thres
 @define
 class APPLEParams:
     p_lr: float = field(default=0.001, validator=[finite, greater_than(0)], metadata={
-        "doc": "step size of the DR vector p_i (A4); the authors' default"})
+        "doc": "step size of the DR vector p_i (Eq. 6); the authors' default"})
     mu: float = field(default=0.1, validator=[finite, at_least(0)], metadata={
-        "doc": "mu of the regulariser mu lambda(r) ||p_i - p_0||^2 (A2); the authors' default"})
+        "doc": "mu of the regulariser mu lambda(r) ||p_i - p_0||^2 (Eq. 7, without its 1/2, as the authors' "
+               "code); the authors' default"})
     L: float = field(default=0.1, validator=[finite, between(0, 1, low_open=True)], metadata={
-        "doc": "the loss scheduler's L (A3) as a fraction of experiment.rounds: lambda(r) = 0 from round "
+        "doc": "the loss scheduler's L (Appendix A.1) as a fraction of experiment.rounds: lambda(r) = 0 from round "
                "int(L rounds) on; the authors' default"})
     schedule: str = field(default="exponential", validator=one_of("exponential", "cosine"), metadata={
-        "doc": "the loss scheduler's shape (A3): 0.001^(r / L) or (cos(pi r / L) + 1) / 2; the authors' default"})
+        "doc": "the loss scheduler's shape (Appendix A.1): 0.001^(r / L) or (cos(pi r / L) + 1) / 2; the authors' "
+               "default"})
     prior: str = field(default="samples", validator=one_of("samples", "uniform"), metadata={
         "doc": "p_0, p_i's start and the regulariser's target: n_j / n (FedAvg's weights, the authors') or 1 / N"})
     num_downloads: int | None = field(default=None, validator=at_least(1), metadata={
@@ -112,7 +118,7 @@ class APPLEParams:
 
 
 def scheduler(r: int, rounds: int, params: APPLEParams) -> float:
-    """(A3): lambda(r), r the round counted from 0."""
+    """Appendix A.1's loss scheduler lambda(r), r the round counted from 0."""
     horizon = int(rounds * params.L)
     if r >= horizon:
         return 0.0
@@ -130,7 +136,7 @@ def prior(sizes: list[int], kind: str) -> torch.Tensor:
 
 
 def personalized(p, cores: list[dict], names) -> dict:
-    """(A1): sum_j p_j cores[j][name] for each name (``p`` a tensor or a list of numbers)."""
+    """Eq. 4: sum_j p_j cores[j][name] for each name (``p`` a tensor or a list of numbers)."""
     out = {}
     for name in names:
         total = None
@@ -142,9 +148,9 @@ def personalized(p, cores: list[dict], names) -> dict:
 
 
 class Mixture(nn.Module):
-    """(A1) as a module whose parameters are the client's own core model and p_i: the forward
-    pass runs the model with theta-hat_i = sum_j p_ij theta_j, so autograd gives (A4)'s
-    gradients (the other core models are constants)."""
+    """Eq. 4 as a module whose parameters are the client's own core model and p_i: the forward
+    pass runs the model with theta-hat_i = sum_j p_ij theta_j, so autograd gives the gradients
+    of Eq. 5-6 (the other core models are constants)."""
 
     def __init__(self, model: nn.Module, cores: list[dict], own: int, p: torch.Tensor):
         super().__init__()
@@ -173,8 +179,9 @@ class Mixture(nn.Module):
 
 
 def download_probabilities(magnitudes, r: int, M: int, N: int) -> np.ndarray:
-    """The limited-bandwidth draw's probabilities: proportional to base^|p_ij|, base = max(1.5,
-    r M / N) (the authors' rule with their thresh = 1.5, lamb = 1)."""
+    """The limited-bandwidth draw's probabilities (Appendix A.2, Eq. 9): proportional to
+    base^|p_ij|, base = max(1.5, r M / N) (Eq. 8; the authors' rule with their thresh = 1.5,
+    lamb = 1)."""
     odds = max(DOWNLOAD_THRESHOLD, r * M / N) ** np.asarray(magnitudes, dtype=np.float64)
     return odds / odds.sum()
 
@@ -271,7 +278,7 @@ class APPLE(Plugin):
         return self.p0(ctx) if p is None else p
 
     def personalized_model(self, ctx, client, cores: list[dict], p) -> nn.Module:
-        """(A1) in the working model; buffers and integer entries from the client's own core model."""
+        """Eq. 4 in the working model; buffers and integer entries from the client's own core model."""
         names = [n for n, _ in client.model.named_parameters()]
         own = cores[self.clients(ctx).index(client.id)] if client.id in self.clients(ctx) else cores[0]
         return load_state(client.model, {**own, **personalized(p, cores, names)})
@@ -288,12 +295,12 @@ class APPLE(Plugin):
         module = Mixture(client.model, cores, self.clients(ctx).index(client.id), self.dr_vector(ctx, client))
         coefficient = self.params.mu * scheduler(ctx.round - 1, ctx.spec.experiment.rounds, self.params)
 
-        def loss(model, x, y, logits):  # (A2)
+        def loss(model, x, y, logits):  # Eq. 7
             return client.objective(model, x, y, logits) + coefficient * (model.p - p0).pow(2).sum()
 
         optimizer = client.optimizer([{"params": list(module.core)},
                                       {"params": [module.p], "lr": self.params.p_lr, "weight_decay": 0.0}])
-        metrics = client.train(model=module, optimizer=optimizer, loss_fn=loss)  # (A4)
+        metrics = client.train(model=module, optimizer=optimizer, loss_fn=loss)  # Eq. 5-6
         client.state["core"] = module.core_state()
         client.state["p"] = module.p.detach().clone()
         client.log(apple_self_weight=float(client.state["p"][module.own]))

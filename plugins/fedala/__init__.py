@@ -8,9 +8,10 @@ client's local model from its previous round:
 
     Eq. 4   Theta-hat_i^t = Theta_i^{t-1} + (Theta^{t-1} - Theta_i^{t-1}) (.) [1^{|Theta| - p}; W_i^p]
             (the lower layers take the global model; only the p higher layers mix, element-wise)
-    Eq. 5   W_i^p <- clip_[0,1]( W_i^p - eta grad_{W_i^p} L(Theta-hat_i^t, D_i^{s,t}; Theta^{t-1}) )
-            = clip( W - eta grad_{Theta-hat} L (.) (Theta^{t-1} - Theta_i^{t-1}) ),
-            one step per mini-batch of D_i^{s,t}, a random s% of the client's training data
+    Eq. 5   W_i^p <- W_i^p - eta grad_{W_i^p} L(Theta-hat_i^t, D_i^{s,t}; Theta^{t-1})
+            = W - eta grad_{Theta-hat} L (.) (Theta^{t-1} - Theta_i^{t-1}), each step followed by
+            the paper's weight clipping of every element to [0, 1]; one step per mini-batch of
+            D_i^{s,t}, a random s% of the client's training data
 
     server: Theta^0 = the seeded initial weights                                   (setup)
     each round t, each participant i, given Theta^{t-1}:                           (on_broadcast)
@@ -26,9 +27,10 @@ client's local model from its previous round:
     the W_i^p it holds (what it would start its next round with, without the W-learning step);
     a client with no local model yet is scored with the global model.
 
-Eq. 4 (ALA on the p higher layers) and Eq. 5 (the weight learning and its clip) are our
-reading of the arXiv version's numbering; we could not check them against the paper's text. The
-authors' README maps the ALA module to lines 6-16 of Algorithm 1.
+Eq. 4 (ALA on the p higher layers) and Eq. 5 (the weight learning) are the paper's numbers as
+its first author uses them (github.com/TsingZ0/FedALA issues 5 and 17: Eq. 6 of Section 3.3 is
+derived from Eq. 4 and 5, W's change giving Theta-hat's through Eq. 4); the authors' README maps
+the ALA module to lines 6-16 of Algorithm 1.
 
 Defaults and decisions (the authors' code: github.com/TsingZ0/FedALA, ``utils/ALA.py``, the same
 module as PFLlib's; read, not copied):
@@ -48,8 +50,9 @@ module as PFLlib's; read, not copied):
 - D_i^{s,t}: ``max(1, int(s/100 n_i))`` samples drawn without replacement with the client's
   seeded ``client.rng("fedala")``, batched as ``training.batch_size`` in the spec's shuffle and
   drop_last (the authors take a contiguous slice at a random offset of their pre-shuffled data,
-  unshuffled, dropping the last partial batch). The loss L is the client's objective (the
-  cross-entropy plus any add-on's term) on Theta-hat.
+  unshuffled, keeping the last partial batch: ``drop_last=False`` in their current ``ALA.py``,
+  the first release dropped it). The loss L is the client's objective (the cross-entropy plus
+  any add-on's term) on Theta-hat.
 - W_i^p covers the parameters of the p higher layers; their buffers (BatchNorm statistics) stay
   the local model's and the lower layers' buffers are the global model's. Only W is trained by
   Eq. 5 (plain SGD at ``eta``, no momentum, as the authors'); the model's batch statistics are
@@ -135,7 +138,8 @@ def local_aggregation(local: dict, global_: dict, weights: dict, lower) -> dict:
 
 
 class ClippedSGD(torch.optim.SGD):
-    """Eq. 5: a plain gradient step on W, then every element clipped to [0, 1]."""
+    """Eq. 5's plain gradient step on W, then every element clipped to [0, 1] (the paper's weight
+    clipping)."""
 
     def __init__(self, params, lr: float):
         super().__init__(params, lr=lr)

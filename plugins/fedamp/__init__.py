@@ -6,34 +6,35 @@ Every client i keeps a personalized model w_i. The server keeps the latest w_j o
 and builds, for each participant, a *personalized cloud model* u_i, an attention-weighted
 combination of the clients' models in which similar models weigh more:
 
-    Eq. 5   U^k = W^{k-1} - alpha_k grad A(W^{k-1}): a gradient step on the attention term
+            U^k = W^{k-1} - alpha_k grad A(W^{k-1}): a gradient step on the attention term
             lambda sum_{i<j} A(||w_i - w_j||^2) of the objective, which per client reads
-    Eq. 6   u_i^k = xi_{i,1} w_1^{k-1} + ... + xi_{i,m} w_m^{k-1}
-    Eq. 7   xi_{i,j} = alpha_k A'(||w_i^{k-1} - w_j^{k-1}||^2) (j != i),  xi_{i,i} = 1 - sum_{j != i} xi_{i,j}
-            with the negative exponential A(x) = 1 - exp(-x / sigma), A'(x) = exp(-x / sigma) / sigma
+    Eq. 5   u_i^k = xi_{i,1} w_1^{k-1} + ... + xi_{i,m} w_m^{k-1}, with the weights
+            xi_{i,j} = alpha_k A'(||w_i^{k-1} - w_j^{k-1}||^2) (j != i),  xi_{i,i} = 1 - sum_{j != i} xi_{i,j}
+            and the negative exponential A(x) = 1 - exp(-x / sigma), A'(x) = exp(-x / sigma) / sigma
             (``attention = "distance"``)
     HeurFedAMP (``attention = "cosine"``, the default): xi_{i,i} is a hyperparameter and
             xi_{i,j} = (1 - xi_{i,i}) exp(sigma cos(w_i, w_j)) / sum_{h != i} exp(sigma cos(w_i, w_h))
-    Eq. 8   w_i^k = argmin_w F_i(w) + lambda / (2 alpha_k) ||w - u_i^k||^2     (the client's update)
+    Eq. 6   w_i^k = argmin_w F_i(w) + lambda / (2 alpha_k) ||w - u_i^k||^2     (the client's update)
 
     server: w_j^0 = the seeded initial weights                                      (setup)
-    each round k, for each participant i: u_i^k from Eq. 6-7 over the stored models (on_round_start)
+    each round k, for each participant i: u_i^k from Eq. 5 over the stored models   (on_round_start)
         sends u_i^k                                                                (on_broadcast)
         client: w <- u_i^k; training.local_epochs epochs of SGD on
-                F_i(w) + lambda / (2 alpha_k) ||w - u_i^k||^2 (Eq. 8)  (on_receive, local_train)
+                F_i(w) + lambda / (2 alpha_k) ||w - u_i^k||^2 (Eq. 6)  (on_receive, local_train)
                 keeps and uploads w_i^k                                            (client_upload)
         server stores w_i^k                                                        (server_aggregate)
     evaluation: client i's own w_i (the seeded initial weights before it ever trained)
 
-Equation numbers follow the AAAI paper as issue 23 cites them (Eq. 5-8: the message-passing
-step, the cloud model, its weights, the client objective); we could not check each number against
-the paper's text.
+Equation numbers are the AAAI paper's as PFLlib's author cites them (github.com/TsingZ0/PFLlib
+issues 4 and 15): Eq. 5, the cloud model with its weights (xi_{i,i} = 1 - sum_{j != i} xi_{i,j}),
+and Eq. 6, the client's proximal objective. The message-passing step U^k and HeurFedAMP's rule
+are left unnumbered: we could not read the paper's text to check their numbers.
 
 Defaults and decisions:
 
 - ``attention = "cosine"`` (HeurFedAMP, the paper's variant for deep networks, where
-  ||w_i - w_j||^2 is so large that exp(-x / sigma) vanishes and Eq. 7 leaves every u_i = w_i);
-  ``"distance"`` is Eq. 7 as written. Similarities and distances are over the model's
+  ||w_i - w_j||^2 is so large that exp(-x / sigma) vanishes and Eq. 5 leaves every u_i = w_i);
+  ``"distance"`` is Eq. 5 as written. Similarities and distances are over the model's
   parameters (buffers excluded), in float64.
 - ``alpha_k = 1.0``, ``lam = 1.0`` (the client's proximal weight lambda / alpha_k = 1), ``sigma
   = 1.0``: PFLlib's defaults (``alphaK``, ``lamda``, ``sigma``). alpha_k is constant over the
@@ -41,9 +42,10 @@ Defaults and decisions:
   HeurFedAMP example runs (``-xi 0.1``). With ``xi = 1`` every u_i = w_i and, with ``lam = 0``,
   FedAMP is Local bit for bit (tested).
 - The client starts its local update from u_i^k (the proximal point's centre; the paper states
-  only the argmin of Eq. 8). PFLlib starts from w_i^{k-1} and adds lambda / (2 alpha_k) ||w - u||
-  (a norm, not its square) to the loss; we use the square of Eq. 8.
-- Which models enter Eq. 6: those of the clients that have uploaded at least once (the paper's
+  only the argmin of Eq. 6). PFLlib starts from w_i^{k-1} and adds lambda / (2 alpha_k) ||w - u||
+  (a norm, not its square, and of detached tensors, so it adds no gradient) to the loss; we use
+  the square of Eq. 6.
+- Which models enter Eq. 5: those of the clients that have uploaded at least once (the paper's
   cross-silo setting has every client in every round; with ``experiment.participation < 1`` a
   client that never trained contributes nothing, rather than the initial weights). w_i itself is
   the client's last upload, or the initial weights before its first. If no other client has
@@ -51,11 +53,11 @@ Defaults and decisions:
   so every u_i of a round is built from the models of earlier rounds (the paper's W^{k-1}).
 - u_i mixes every floating-point state entry (BatchNorm statistics too) with the same xi_{i,j};
   integer entries (``num_batches_tracked``) are w_i's. In the distance variant xi_{i,i} can be
-  negative when alpha_k / sigma is large: Eq. 7 as written, not clipped.
+  negative when alpha_k / sigma is large: Eq. 5 as written, not clipped.
 - xi_{i,i} is logged per client as ``fedamp_self_weight``.
 - Bytes: u_i down, w_i up (one model each way).
 - Cold start: the newcomer receives u_n built as for a participant with w_n = the initial weights,
-  and trains ``experiment.coldstart_epochs`` epochs on Eq. 8 from it.
+  and trains ``experiment.coldstart_epochs`` epochs on Eq. 6 from it.
 """
 
 from __future__ import annotations
@@ -86,12 +88,12 @@ from pfl_core.api import (
 class FedAMPParams:
     attention: str = field(default="cosine", validator=one_of("cosine", "distance"), metadata={
         "doc": 'xi_{i,j} from exp(sigma cos(w_i, w_j)) with xi_{i,i} = xi (HeurFedAMP, for deep networks); '
-               '"distance": Eq. 7, alpha_k A\'(||w_i - w_j||^2) with A(x) = 1 - exp(-x / sigma)'})
+               '"distance": the weights of Eq. 5, alpha_k A\'(||w_i - w_j||^2) with A(x) = 1 - exp(-x / sigma)'})
     alpha_k: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
-        "doc": "alpha_k: the message-passing step size (Eq. 7) and the proximal weight's denominator lambda / "
-               "(2 alpha_k) (Eq. 8); constant over rounds. PFLlib's default"})
+        "doc": "alpha_k: the message-passing step size (Eq. 5) and the proximal weight's denominator lambda / "
+               "(2 alpha_k) (Eq. 6); constant over rounds. PFLlib's default"})
     lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
-        "doc": "lambda of Eq. 8's proximal term lambda / (2 alpha_k) ||w - u_i||^2; PFLlib's default"})
+        "doc": "lambda of Eq. 6's proximal term lambda / (2 alpha_k) ||w - u_i||^2; PFLlib's default"})
     sigma: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
         "doc": "sigma: the scale of exp(sigma cos) (cosine) or of A(x) = 1 - exp(-x / sigma) (distance); "
                "PFLlib's default"})
@@ -108,7 +110,7 @@ def flat(state: dict, names) -> torch.Tensor:
 
 
 def attention_weights(i, models: dict, own: dict, names, params: FedAMPParams) -> dict:
-    """Eq. 7 (or HeurFedAMP's rule): ``{j: xi_{i,j}}`` for client i, whose model is ``own``,
+    """Eq. 5's weights (or HeurFedAMP's rule): ``{j: xi_{i,j}}`` for client i, whose model is ``own``,
     over the other clients' ``models`` (``{j: state}``, i's own entry ignored), i included.
     ``names``: the parameter keys the similarity or distance is computed over."""
     others = [j for j in sorted(models) if j != i]
@@ -131,7 +133,7 @@ def attention_weights(i, models: dict, own: dict, names, params: FedAMPParams) -
 
 
 def cloud_model(xi: dict, models: dict, own: dict, i) -> dict:
-    """Eq. 6: u_i = sum_j xi_{i,j} w_j (w_i = ``own``); integer entries are w_i's."""
+    """Eq. 5: u_i = sum_j xi_{i,j} w_j (w_i = ``own``); integer entries are w_i's."""
     out = {}
     for key, value in own.items():
         if not value.is_floating_point():
@@ -169,7 +171,7 @@ class FedAMP(Plugin):
         return per_run(ctx, self, f"names:{arch}", lambda: [n for n, _ in ctx.models.build(arch).named_parameters()])
 
     def cloud_model_for(self, ctx, client_id) -> tuple[dict, float]:
-        """Eq. 6-7 for one client over the stored models (server side): (u_i, xi_{i,i})."""
+        """Eq. 5 for one client over the stored models (server side): (u_i, xi_{i,i})."""
         models, arch = ctx.server["models"], ctx.models.arch_of(client_id)
         own = models.get(client_id) or ctx.models.initial_state(arch)
         xi = attention_weights(client_id, models, own, self.parameter_names(ctx, arch), self.params)
@@ -195,7 +197,7 @@ class FedAMP(Plugin):
 
     @hookimpl
     def local_objective(self, ctx, client, model, x, y, logits):
-        """Eq. 8's lambda / (2 alpha_k) ||w - u_i||^2 (None outside a visit: no term)."""
+        """Eq. 6's lambda / (2 alpha_k) ||w - u_i||^2 (None outside a visit: no term)."""
         anchor = client.scratch.get("u")
         if anchor is None:
             return None

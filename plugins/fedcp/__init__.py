@@ -29,9 +29,10 @@ the MMD term) is the source, but we could not check its equation numbers here, s
 are ours. Where the paper leaves a detail to the code we follow PFLlib (``clientcp.py`` /
 ``servercp.py``, by the paper's first author) and say so:
 
-- (C1) is PFLlib's v_i: the column sums of the personal head's weight, L2-normalised (the
-  original FedCP repository summed |W^hp - W^hg| instead). PFLlib draws the first round's v_i
-  at random; we compute it from the initial head, as every later round.
+- (C1) is PFLlib's v_i: the column sums of the personal head's weight, L2-normalised (so is the
+  current code of the original FedCP repository; its early commits summed |W^hp - W^hg|
+  instead). PFLlib draws the first round's v_i at random; we compute it from the initial head,
+  as every later round.
 - (C2): the CPN is PFLlib's, Linear(K, 2K) -> LayerNorm -> ReLU, its output read as two scores
   per feature; training draws the Gumbel noise from the client's seeded generator with
   temperature ``tau`` (1, PFLlib's). PFLlib also samples the noise at test time; we evaluate the

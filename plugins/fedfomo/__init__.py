@@ -25,18 +25,20 @@ estimate of the best step towards theta_n):
     evaluation: client i's own theta_i (the seeded initial weights before it ever trained)
 
 (F1)-(F4) label the steps in this docstring: (F1)-(F2) are the paper's weight and update
-equations with their normalisation, and (F4) its epsilon-greedy choice (issue 23 cites them as
-the paper's Eq. 3-5; we could not check each number against the paper's text, so the labels are
-ours); (F3) is how the server keeps the affinities that (F4) ranks by.
+equations with their normalisation, and (F4) its epsilon-greedy choice; (F3) is how the server
+keeps the affinities that (F4) ranks by. The labels are ours: we could not read the paper's text
+to check its equation numbers.
 
 Defaults and decisions:
 
-- ``M = 5``: PFLlib's default (and the official code's default query count). Fewer are sent
-  when fewer other clients have uploaded a model; none in round 1, when nobody has.
-- ``epsilon = 0.3``, ``epsilon_decay = 0.003`` (subtracted per round): the values of the
-  authors' implementation (NVlabs/FedFomo; read through a public re-implementation of it, not
-  copied). The draws use ``numpy_rng(seed, "fedfomo", round, client)``; ties in p_{i,n} are
-  broken at random, as theirs.
+- ``M = 5``: PFLlib's default (the authors' code, github.com/NVlabs/FedFomo, defaults to 8
+  models, ``NUM_UPDATE_CLIENTS`` in ``federated/configs.py``, and its README runs use 4 and 9).
+  Fewer are sent when fewer other clients have uploaded a model; none in round 1, when nobody
+  has.
+- ``epsilon = 0.3`` and ``epsilon_decay = 0.05`` (subtracted per round): the authors' values
+  (their ``federated/configs.py`` and README runs; 0.001 before that, by its comment), so the
+  exploration ends after round 6. The draws use ``numpy_rng(seed, "fedfomo", round, client)``; ties in
+  p_{i,n} are broken at random, as theirs (read, not copied).
 - L_i is the validation split's mean cross-entropy in eval mode (``partition.val_fraction``
   must be > 0: checked before data loads). The split is part of the client's data that it does
   not train on, as the paper's validation set. Note for tuning: ``[tune]`` scores on the same
@@ -48,7 +50,8 @@ Defaults and decisions:
   the paper's update; theta_i^{t-1} is the client's model as it left its last round (PFLlib uses
   its model before training, and always downloads the client's own model too).
 - (F2) moves every floating-point state entry (BatchNorm statistics too) with the same weights;
-  integer entries (``num_batches_tracked``) stay theta_i's. (F3) adds the raw w_n, as PFLlib.
+  integer entries (``num_batches_tracked``) stay theta_i's. (F3) adds the raw w_n, as PFLlib
+  (the authors' code adds w_n / |sum_m w_m|, the weights normalised by their sum's magnitude).
 - Models and affinities uploaded in a round are stored after that round's aggregation, so every
   download of round t is a model of an earlier round.
 - Bytes: the M downloaded models down (counted: nbytes of the message), theta_i and the M
@@ -88,9 +91,9 @@ class FedFomoParams:
         "doc": "models each participant downloads a round (0: Local); PFLlib's default"})
     epsilon: float = field(default=0.3, validator=[finite, between(0, 1)], metadata={
         "doc": "epsilon of the epsilon-greedy choice of downloads in round 1 (the authors' code)"})
-    epsilon_decay: float = field(default=0.003, validator=[finite, at_least(0)], metadata={
+    epsilon_decay: float = field(default=0.05, validator=[finite, at_least(0)], metadata={
         "doc": "subtracted from epsilon every round: epsilon_t = max(0, epsilon - epsilon_decay (t - 1)) "
-               "(the authors' code)"})
+               "(the rule and the value of the authors' code)"})
 
 
 # -- the paper's equations, as plain functions ---------------------------------------------------

@@ -23,23 +23,38 @@ of every label the federation holds. Each round t, with S_t the participants:
                   + eta * exp(-mean_{b,b'} ||eps_b - eps_b'||^2_mean * ||z_b - z_b'||_1,mean)
     evaluation: the global model w^t (FedGen is a global-model method), for every client
 
-(F1)-(F5) label the steps in this docstring; the paper's Section 3 (its knowledge-extraction
-objective for the generator and the clients' regularised objective) and Algorithm 1 are the
-source, but we could not check its equation numbers here, so the labels are ours. The paper
+(F1)-(F5) label the steps in this docstring. Where the paper (ICML 2021) has them: (F1) is
+Algorithm 1 line 13 (the model average); (F2)'s p-hat(y) is the unnumbered estimate of Section
+3.1, updated from the clients' label counters (Algorithm 1 lines 8 and 13); (F3) is Eq. 4, the
+generator's knowledge-extraction objective (Algorithm 1 line 14); (F4) is the second term of
+Eq. 5, the clients' objective (Algorithm 1 lines 7-9); (F5) is not in the paper. The paper
 leaves several details to its code (github.com/zhuangdizhu/FedGen, ``serverpFedGen.py`` and
 ``userpFedGen.py``); we follow it there and say so, and note where PFLlib's FedGen differs:
 
-- (F3) is the paper's ensemble objective with the per-label weights alpha_k^y of (F2) on the
-  teachers' logits (a label only client k holds is taught by client k alone). The official code
-  instead adds the teachers' per-sample cross-entropies weighted by alpha_k^y; PFLlib
-  (``servergen.py``) weights the logits by the clients' shares of all samples, not per label.
-  The diversity term (eta) is the official code's (its ``DiversityLoss``, l1 between features,
-  squared l2 between noises); PFLlib has none. The teachers are this round's uploads; y is drawn
-  from p-hat(y) of this round's uploads (the official code draws uniformly among the labels held;
-  PFLlib in proportion to all clients' counts).
-- (F5) is the official code's "latent" term; the paper's client objective has (F4) only, which
-  ``beta = 0`` gives. alpha_t and beta_t decay by ``decay`` per round as the official code's
-  ``exp_lr_scheduler`` (its floor of 1e-4 is not kept: it only matters after ~450 rounds).
+- (F1) weights the models by n_k / n, as the official code's ``aggregate_parameters`` does;
+  Algorithm 1 line 13 writes the plain mean 1/|A| sum_k theta_k. They agree when the
+  participants' training splits are equal.
+- (F2) pools the participants' counts, p-hat(y) = sum_k n_k^y / sum_k n_k; Section 3.1 writes
+  p-hat(y) proportional to sum_k E_{x ~ D_k}[1(c*(x) = y)], a sum of each user's label
+  frequencies, which weighs every user alike. They agree when the training splits are equal.
+- (F3) is Eq. 4 with per-label weights on the teachers' logits: Eq. 4 averages the K
+  teachers' logits uniformly, (1/K) sum_k g(z; theta^p_k); the weights alpha_k^y of (F2) come
+  from the official code's label weights (a label only client k holds is taught by client k
+  alone). The official code adds the teachers' per-sample cross-entropies weighted by
+  alpha_k^y; PFLlib (``servergen.py``) weights the logits by the clients' shares of all
+  samples, not per label. Algorithm 1 line 14 writes one gradient step on w per round; here
+  ``generator_steps`` Adam steps, as the official code. The diversity term (eta) is the
+  official code's (its ``DiversityLoss``, l1 between features, squared l2 between noises): the
+  paper's Section 6.1 only says that a diversity loss (Mao et al., 2019) also trains the
+  generator, and Eq. 4 has none; PFLlib has none. The teachers are this round's uploads; y is
+  drawn from p-hat(y) of this round's uploads (the official code draws uniformly among the
+  labels held; PFLlib in proportion to all clients' counts).
+- (F5) is the official code's "latent" term; the paper's client objective (Eq. 5) has (F4)
+  only, which ``beta = 0`` gives. Eq. 5 weighs (F4) by 1 in every round: alpha, and the decay
+  of alpha_t and beta_t by ``decay`` per round, are the official code's (``exp_lr_scheduler``;
+  its floor of 1e-4 is not kept: it only matters after ~450 rounds for a start of 1, ~570 for
+  the default 10). Algorithm 1 broadcasts the generator from the first round; the official
+  code, as here, adds the generator terms from the second round on.
   (F4)'s labels are drawn from the broadcast p-hat(y) (the official code draws them uniformly
   over every label of the data set, PFLlib in proportion to all clients' counts). Both terms use
   generated batches of ``training.batch_size`` (the official code's ``gen_batch_size`` equals its

@@ -4,13 +4,20 @@ Heterogeneous Federated Optimization", NeurIPS 2020: normalised averaging (Secti
     server: x_0 initialised
     each round t: S sampled; x_t sent to each i in S                    (select_clients, on_broadcast)
       client i:  tau_i local steps from x_t, ending at x_i             (on_receive, local_train)
-                 x_i - x_t = -eta G_i a_i                              Eq. 5 (G_i: the tau_i gradients)
-                 ||a_i||_1 = tau_i                                     plain SGD
-                 ||a_i||_1 = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho)  momentum rho (Appendix)
+                 x_i - x_t = Delta_i = -eta G_i a_i                    Sec. 4.1 (G_i: the tau_i gradients)
+                 ||a_i||_1 = tau_i                                     plain SGD (Sec. 4.1)
+                 ||a_i||_1 = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho)  momentum rho (Sec. 4.1)
                  send x_i and ||a_i||_1                                (client_upload)
-      server:    d_i = (x_t - x_i) / ||a_i||_1  (= eta G_i a_i / ||a_i||_1)   Eq. 6 (server_aggregate)
-                 tau_eff = sum_i p_i ||a_i||_1                          Eq. 7
-                 x_{t+1} = x_t - eta_g * tau_eff * sum_i p_i d_i        Eq. 6-7
+      server:    d_i = (x_t - x_i) / ||a_i||_1  (= eta G_i a_i / ||a_i||_1)   Sec. 4.1 (server_aggregate)
+                 tau_eff = sum_i p_i ||a_i||_1                          Eq. 6
+                 x_{t+1} = x_t - eta_g * tau_eff * sum_i p_i d_i        Eq. 4 with w_i = p_i (Sec. 5)
+
+Where the paper has them: Section 4.1 defines Delta_i = -eta G_i a_i, d_i = G_i a_i / ||a_i||_1
+and ||a_i||_1 for each local solver in the text (no equation numbers; the momentum case is
+"Momentum SGD as Local Solver", its derivation in the Appendix); Eq. 4 is the general update
+x^(t+1,0) - x^(t,0) = -tau_eff sum_i w_i eta d_i; Eq. 6 rewrites FedAvg in that form, with
+tau_eff = sum_i p_i ||a_i||_1 and w_i = p_i ||a_i||_1 / tau_eff; Section 5 sets w_i = p_i in
+Eq. 4 (FedNova). Eq. 7 is FedProx's tau_eff and w_i, not used here.
 
 ``eta`` is ``training.lr``, ``rho`` ``training.momentum``, ``eta_g`` ``server_lr`` (1 in the
 paper), ``p_i`` ``client_weighting``'s weights (each participant's share of the participants'
@@ -29,8 +36,10 @@ torch's SGD keeps v_k = rho v_{k-1} + g_k from v_0 = 0 (no dampening; the optimi
 for every client visit, as the authors' code zeroes its buffer after each round) and steps
 x <- x - eta v_k, so after tau steps gradient j (of 1..tau) has weighed
 (1 - rho^{tau-j+1}) / (1 - rho): a_i = [1 - rho^{tau_i}, ..., 1 - rho] / (1 - rho), and
-||a_i||_1 is the sum above. ``training.weight_decay`` is part of each g_k (torch adds it to the
-gradient before the momentum, as the authors' code does). Adam (``training.optimizer =
+||a_i||_1 is the sum above (Section 4.1 writes it in closed form,
+[tau_i - rho (1 - rho^{tau_i}) / (1 - rho)] / (1 - rho), the same number).
+``training.weight_decay`` is part of each g_k (torch adds it to the gradient before the
+momentum, as the authors' code does). Adam (``training.optimizer =
 "adam"``) is refused: its steps are not the gradients times fixed coefficients, so there is no
 a_i to normalise by.
 
@@ -48,6 +57,10 @@ Deviations from the paper, and what the authors' code (github.com/JYWa/FedNova,
   under ``dropout``), where the paper writes p_i = n_i / n over all clients; the two agree
   when every client takes part, as in the authors' experiments. So tau_eff is the
   participants' weighted mean of ||a_i||_1.
+- tau_eff = sum_i p_i ||a_i||_1 (its value in Eq. 6) also under momentum; Section 5 writes
+  FedNova with plain SGD, tau_eff = sum_i p_i tau_i, and leaves tau_eff free for other local
+  solvers. The authors' code does the same as here (it uses sum_i p_i tau_i only for the
+  proximal solver). With plain SGD the two are one number.
 - ``server_lr`` (eta_g) is not in the paper (its eta_g is 1); the authors' code has an
   optional server ("global") momentum (``gmf``), which is not implemented here.
 - FedNova-Prox (the proximal local solver, a_i = [(1 - eta mu)^{tau_i - 1}, ..., 1]) is not
@@ -76,15 +89,16 @@ from pfl_core.api import SpecError, WeightAveraging, finite, greater_than, hooki
 @define
 class FedNovaParams:
     server_lr: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
-        "doc": "eta_g, the server's step size: x_{t+1} = x_t - eta_g * tau_eff * sum_i p_i d_i (Eq. 6-7); 1 is "
+        "doc": "eta_g, the server's step size: x_{t+1} = x_t - eta_g * tau_eff * sum_i p_i d_i (Eq. 4 with "
+               "w_i = p_i, Section 5); 1 is "
                "the paper's FedNova, and with equal local steps FedAvg's aggregate"})
 
 
 def normaliser(steps: int, momentum: float) -> float:
     """||a_i||_1 after ``steps`` local steps: sum over k = 1..steps of (1 - rho^k) / (1 - rho),
-    term k the weight the k-th last gradient carries in the model change (the paper's Appendix
-    on local momentum); with rho = 0 every term is 1 and the sum is ``steps`` exactly (Eq. 5,
-    plain SGD)."""
+    term k the weight the k-th last gradient carries in the model change (the paper's Section 4.1,
+    "Momentum SGD as Local Solver"; derivation in its Appendix); with rho = 0 every term is 1 and
+    the sum is ``steps`` exactly (Section 4.1, plain SGD)."""
     total, weight = 0.0, 0.0
     for _ in range(steps):
         weight = momentum * weight + 1.0  # (1 - rho^k) / (1 - rho): 1, 1 + rho, 1 + rho + rho^2, ...
@@ -105,12 +119,12 @@ class FedNova(WeightAveraging):
         super().check_spec(spec)
         if spec.training.optimizer != "sgd":
             raise SpecError("training.optimizer", f"fednova normalises by ||a_i||_1, the weights SGD's steps give "
-                            f"the local gradients (Eq. 5); got {spec.training.optimizer!r}, use \"sgd\"")
+                            f"the local gradients (Section 4.1); got {spec.training.optimizer!r}, use \"sgd\"")
 
     @hookimpl
     def client_upload(self, ctx, client):
         """x_i (its parameters, and its buffers apart) and ||a_i||_1 from the steps this client
-        really took (Eq. 5); the server forms d_i."""
+        really took (Section 4.1); the server forms d_i."""
         state, params = client.model.state_dict(), dict(client.model.named_parameters())
         return {"weights": {k: v for k, v in state.items() if k in params},
                 "buffers": {k: v for k, v in state.items() if k not in params},
@@ -118,8 +132,8 @@ class FedNova(WeightAveraging):
 
     @hookimpl
     def server_aggregate(self, ctx, uploads, weights):
-        """Eq. 6-7: d_i = (x_t - x_i) / ||a_i||_1; tau_eff = sum_i p_i ||a_i||_1;
-        x_{t+1} = x_t - eta_g tau_eff sum_i p_i d_i."""
+        """d_i = (x_t - x_i) / ||a_i||_1 (Section 4.1); tau_eff = sum_i p_i ||a_i||_1 (Eq. 6);
+        x_{t+1} = x_t - eta_g tau_eff sum_i p_i d_i (Eq. 4 with w_i = p_i, Section 5)."""
         x = ctx.server["global"]
         tau_eff, normalised = 0.0, set()
 

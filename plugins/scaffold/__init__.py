@@ -7,8 +7,8 @@ Averaging for Federated Learning", ICML 2020, Algorithm 1 with option II control
                  K steps: y_i <- y_i - eta_l (g_i(y_i) - c_i + c)    Eq. 3 (adjust_gradients)
                  c_i+ <- c_i - c + (x - y_i) / (K eta_l)             Eq. 4, option II (client_upload)
                  send (y_i, c_i+ - c_i); c_i <- c_i+                 (client.staged: kept if it arrives)
-      server:    x <- x + eta_g * sum_i w_i (y_i - x)                Eq. 5, left (server_aggregate)
-                 c <- c + 1/N * sum_i (c_i+ - c_i)                   Eq. 5, right
+      server:    x <- x + eta_g * sum_i w_i (y_i - x)                Eq. 5, x (server_aggregate)
+                 c <- c + 1/N * sum_i (c_i+ - c_i)                   Eq. 5, c
 
 ``eta_l`` is ``training.lr``, ``eta_g`` is ``server_lr``, N the training clients, K the local
 optimiser steps client i took this round (``client.steps``). What is evaluated: every client on
