@@ -101,35 +101,68 @@ def final_accuracy(point, seeds: list[int], cache) -> float:
 
 
 def startup(spec_path: str, repeats: int = 5) -> None:
-    """What a trial pays before its first round, beside its rounds: a deep copy of the cached
-    federated data (the first build is paid once per point), and a fresh 2-worker process pool
-    (forked with the trial's spec, models and plugins) up to its first result."""
+    """What a trial pays before its first round, beside its rounds: the data (built once per
+    point; then handed back unchanged, or deep-copied), and the process pool: ``repeats``-trial
+    tunings of one round each on a 2-worker pool, trials sharing the pool (``REUSE_POOLS``)
+    against each trial forking its own, alternated twice so that a change in load hits both."""
     from pfl_core.data.federated import DataCache
-    from pfl_core.execution.process import ProcessExecutor
+    from pfl_core.execution import process
     from pfl_core.spec import load_toml
+    from pfl_core.study import tune
     from pfl_core.study.points import resolve_points
 
     raw = load_toml(spec_path)
     raw.pop("sweep", None)
+    raw.setdefault("partition", {}).setdefault("val_fraction", 0.1)
     spec = resolve_points(raw, [])[0].resolved.spec
     cache = DataCache()
     started = time.perf_counter()
-    cache.get(spec)
+    cache.release(cache.get(spec))
     built = time.perf_counter() - started
-    copies, pools = [], []
+    handed, copies = [], []
     for _ in range(repeats):
         started = time.perf_counter()
-        cache.get(spec)
-        copies.append(time.perf_counter() - started)
-    executor = ProcessExecutor(2)
-    list(executor.map(abs, [-1, -2]))  # torch's lazy imports, once per process
-    for _ in range(repeats):
-        started = time.perf_counter()
-        list(executor.map(abs, [-1, -2]))  # a function outside the run: a pool forked for this map
-        pools.append(time.perf_counter() - started)
+        data = cache.get(spec)
+        handed.append(time.perf_counter() - started)
+        other = cache.get(spec)  # the first is still in use: a deep copy
+        copies.append(time.perf_counter() - started - handed[-1])
+        cache.release(data)
+    raw.update(tune={"trials": repeats, "pruner": "none", "sampler": "random",
+                     "space": {"training.lr": {"low": 0.001, "high": 0.1, "log": True}}},
+               executor={"name": "process", "workers": 2}, tracking={"enabled": False})
+    raw["experiment"]["rounds"] = 1
+    raw["experiment"].pop("seeds", None)
+    forks = []
+    new_pool = process.ProcessExecutor._new_pool
+
+    def counting(self, fn=None, runtime=None):
+        forks.append(runtime is not None)
+        return new_pool(self, fn=fn, runtime=runtime)
+
+    process.ProcessExecutor._new_pool = counting
+    per_trial: dict[bool, list[float]] = {True: [], False: []}
+    here = Path.cwd()
+    for reuse in (False, True, False, True):
+        tune.REUSE_POOLS = reuse
+        (plan,) = tune.plan_tuning(resolve_points(raw, []), ["point"])
+        forks.clear()
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)
+            study = [None]
+            tune.tune_point(plan, None, True, False, cache,
+                            callbacks=[lambda s, t: study.__setitem__(0, s)])
+            os.chdir(here)
+        trials = study[0].trials
+        per_trial[reuse] += [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials[1:]]
+        print(f"  {'shared pool' if reuse else 'own pools  '}: {len(trials)} one-round trials, "
+              f"{sum(forks)} pools forked")
+    process.ProcessExecutor._new_pool = new_pool
+    shared, own = statistics.median(per_trial[True]), statistics.median(per_trial[False])
     print(f"{spec_path}: {spec.partition.num_clients} clients; data built once {built:.2f} s; per trial: "
-          f"cached copy median {statistics.median(copies):.3f} s, fresh 2-worker pool to its first result "
-          f"median {statistics.median(pools):.3f} s ({repeats} repeats)")
+          f"data handed back unchanged median {statistics.median(handed) * 1000:.1f} ms, a deep copy "
+          f"{statistics.median(copies):.3f} s; one-round trial (2-worker pool) median {own:.3f} s forking its "
+          f"own pool, {shared:.3f} s sharing one: {own - shared:+.3f} s a trial (first trial of each tuning "
+          f"left out; {repeats} trials x 2 tunings each)")
 
 
 def main(argv=None) -> int:
@@ -141,8 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--final-seeds", type=int, default=5)
     parser.add_argument("--skip", choices=["overhead", "pruning"], default=None)
     parser.add_argument("--startup-only", action="store_true",
-                        help="only measure what a trial pays before its rounds: a cached copy of the data, a "
-                             "fresh process pool (use with a big --spec, e.g. a 100-client CIFAR-10 one)")
+                        help="only measure what a trial pays before its rounds: the data handed back or copied, "
+                             "the process pool shared or forked (use with a big --spec, e.g. a 100-client "
+                             "CIFAR-10 one)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from pfl_core.data.federated import DataCache

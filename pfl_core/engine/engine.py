@@ -21,7 +21,7 @@ from pfl_core.errors import (
     interrupt_seen,
     raise_lost_interrupt,
 )
-from pfl_core.execution.planner import make_executor, plan
+from pfl_core.execution.planner import ExecutorCache, make_executor, plan
 from pfl_core.payload import nbytes
 from pfl_core.registry import Plugin
 from pfl_core.runtime.client import ClientResult, ClientTask, copy_payload, run_client
@@ -118,17 +118,19 @@ class RunResult:
 class Engine:
     def __init__(self, resolved: Resolved, tracker=None, progress: bool = True, run_name: str | None = None,
                  progress_label: str | None = None, on_evaluated=None, data_cache: DataCache | None = None,
-                 artifacts: bool = True):
+                 artifacts: bool = True, executor_cache: ExecutorCache | None = None):
         """``on_evaluated(round, metrics)``: called after each evaluation round is logged (a
         tuning trial reports to its pruner there, and may stop the run by raising
         :class:`~pfl_core.errors.Stopped`). ``data_cache``: federated data built once and
-        handed out as copies (the trials of a tuning study). ``artifacts=False``: log params and
+        handed out as copies (the trials of a tuning study); ``executor_cache``: the executor
+        kept from the previous run, handed back at the end (the same trials). ``artifacts=False``: log params and
         metrics only, not the partition's and the clients' tables and pictures (a tuning trial:
         its final runs log them; drawing them cost a tenth of a short trial)."""
         self.resolved = resolved
         self.artifacts = artifacts
         self.on_evaluated = on_evaluated
         self.data_cache = data_cache
+        self.executor_cache = executor_cache
         self.spec = resolved.spec
         self.tracker = tracker or NullTracker()
         self.show_progress = progress and self.spec.tracking.progress
@@ -176,7 +178,8 @@ class Engine:
         name, workers, threads = plan(spec.executor, device.type, per_round, work)
         torch.set_num_threads(threads)
         self.executor_plan = {"name": name, "workers": workers if name in ("process", "ray") else 1, "threads": threads}
-        executor = make_executor(name, workers, threads, spec.executor.retries, spec.executor.address)
+        make = self.executor_cache.get if self.executor_cache else make_executor
+        executor = make(name, workers, threads, spec.executor.retries, spec.executor.address)
         if hasattr(executor, "on_retry"):
             executor.on_retry = self._worker_retried
         return executor
@@ -320,7 +323,12 @@ class Engine:
             raise
         finally:
             ctx.store.close()  # removes the spill folder; states in memory stay readable
-            ctx.executor.close()  # e.g. frees the run's data in Ray's object store
+            if self.executor_cache:  # the next trial may run in the same pool
+                self.executor_cache.release(ctx.executor)
+            else:
+                ctx.executor.close()  # e.g. frees the run's data in Ray's object store
+            if self.data_cache:
+                self.data_cache.release(ctx.data)
             self.tracker.end(status)
 
     def _run(self, ctx: RunContext) -> RunResult:

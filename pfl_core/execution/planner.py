@@ -1,4 +1,5 @@
-"""Which executor a run gets (``plan``) and building it (``make_executor``)."""
+"""Which executor a run gets (``plan``), building it (``make_executor``) and keeping it for the
+next run (``ExecutorCache``)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,32 @@ def make_executor(name: str, workers: int = 1, threads: int = 1, retries: int = 
     if name == "ray":
         return RayExecutor(workers, threads, retries, address)
     return {"sequential": SequentialExecutor, "batched": BatchedExecutor}[name]()
+
+
+class ExecutorCache:
+    """Executors kept from one run for the next (the trials of a tuning study, one after
+    another): a process pool serves the next run without forking again when that run's data is
+    the object its workers forked with, unchanged (``ProcessExecutor``). Other executors are
+    closed at the end of their run, as without the cache."""
+
+    def __init__(self):
+        self._kept: dict[tuple, ProcessExecutor] = {}
+
+    def get(self, name: str, workers: int, threads: int, retries: int, address: str):
+        kept = self._kept.pop((name, workers, threads, retries), None) if name == "process" else None
+        return kept or make_executor(name, workers, threads, retries, address)
+
+    def release(self, executor) -> None:
+        """The run that got ``executor`` has ended: keep a process pool, close anything else."""
+        if isinstance(executor, ProcessExecutor):
+            previous = self._kept.pop((executor.name, executor.workers, executor.threads, executor.retries), None)
+            if previous is not None and previous is not executor:
+                previous.close()
+            self._kept[(executor.name, executor.workers, executor.threads, executor.retries)] = executor
+        else:
+            executor.close()
+
+    def close(self) -> None:
+        for executor in self._kept.values():
+            executor.close()
+        self._kept.clear()

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
+from pfl_core.data.federated import data_fingerprint, data_parts
 from pfl_core.errors import PflError
 from pfl_core.execution.views import rebuild_view_call, split_view_call
 from pfl_core.tracking.terminal import warning_line
@@ -72,22 +73,26 @@ def _init_worker(threads: int, parent: int, running) -> None:
     torch.set_flush_denormal(True)
 
 
-def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float]:
+def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int, int | None]:
     """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
     torch's multiprocessing pickler would move tensors to shared memory instead. Each result
     is pickled as soon as it is computed: an upload may share the worker's working model,
-    which the next item trains."""
+    which the next item trains. Returns (results, CPU seconds, this worker's slot, the run
+    generation it ran with)."""
     started = time.process_time()
-    call, items = pickle.loads(payload)
+    generation, update, call, items = pickle.loads(payload)
+    if call is not None and generation != _pool_generation:
+        _load_runtime(generation, update)
     fn = _work_fn if call is None else _view_call(call)
     results = []
     for index, item in zip(indices, items):
         _running[2 * _slot + 1] = index  # which item a death is blamed on
         results.append(_pickled(fn(item)))
-    return results, time.process_time() - started
+    return results, time.process_time() - started, _slot, _pool_generation
 
 
 _pool_runtime: dict | None = None  # in a persistent pool's workers: the run's constant part
+_pool_generation = 0  # in those workers: which run it is (a kept pool serves several, one after another)
 
 
 def _view_call(call: tuple):
@@ -121,6 +126,40 @@ def _pickled(item) -> bytes:
     return buffer.getvalue()
 
 
+class _RuntimePickler(pickle.Pickler):
+    """Pickles a run's constant part for a kept pool's workers, the data set left out: each part
+    of the data (``data_parts``) travels as its position, which the worker resolves in the
+    copy it forked with (the same data, unchanged: ``ProcessExecutor._switch_run`` checks)."""
+
+    def __init__(self, file, parts: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._positions = {id(part): i for i, part in enumerate(parts)}
+
+    def persistent_id(self, obj):
+        return self._positions.get(id(obj))
+
+    reducer_override = _TensorPickler.reducer_override
+
+
+class _RuntimeUnpickler(pickle.Unpickler):
+    def __init__(self, file, parts: list):
+        super().__init__(file)
+        self._parts = parts
+
+    def persistent_load(self, position):
+        return self._parts[position]
+
+
+def _load_runtime(generation: int, update: bytes | None) -> None:
+    """In a kept pool's worker: the next run's constant part, on the data it already holds."""
+    global _pool_runtime, _pool_generation
+    if update is None:  # the parent sends it until every worker has run with it
+        raise RuntimeError(f"pfl: worker of run {_pool_generation} got an item of run {generation} without its runtime")
+    data = _pool_runtime["data"]
+    _pool_runtime = {**_RuntimeUnpickler(io.BytesIO(update), data_parts(data)).load(), "data": data}
+    _pool_generation = generation
+
+
 def _death(code: int | None) -> str:
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
@@ -142,6 +181,12 @@ class ProcessExecutor:
     torch thread. Results come back in the items' order whatever order the workers finish
     in. A worker that dies is reported with the item it ran; that item and the ones not yet
     finished are run again in a new pool, up to ``retries`` times per item.
+
+    A kept executor (``ExecutorCache``: the trials of a tuning study) serves the next run with
+    the same pool when that run's data is the very object the workers forked with, unchanged
+    since (``data_fingerprint``): the run's other constant parts (spec, parameters, models,
+    plugins) travel to the workers, pickled once, with the first items of its first map. Any
+    other change of run forks a new pool.
     """
 
     name = "process"
@@ -166,16 +211,25 @@ class ProcessExecutor:
         self._run_pool = None  # the pool of the run's client side, and the run it forked with
         self._item_seconds: dict = {}  # CPU seconds per item of the last map, by function
         self._run_pool_constant: dict | None = None
+        self._run_pool_fingerprint: tuple | None = None  # of the data the run pool's workers forked with
+        self._generation = 0  # which run of the kept pool the items belong to
+        self._update: bytes | None = None  # that run's constant part, for workers still on an earlier one
+        self._current: set[int] = set()  # the worker slots that have run an item of this generation
+        self.pools_forked = 0  # run pools forked (benchmarks, tests)
         # Told of each retry (the engine adds an MLflow tag to the warning line).
         self.on_retry: Callable[[str], None] = warning_line
 
     def _new_pool(self, fn=None, runtime: dict | None = None):
         """A pool whose workers fork (at its first submit, right after this) with ``fn`` as the
         function of this map, or with ``runtime`` to rebuild client-side calls on."""
-        global _work_fn, _pool_runtime
+        global _work_fn, _pool_runtime, _pool_generation
         _warm_up_torch()
         context = multiprocessing.get_context("fork")
-        _work_fn, _pool_runtime = fn, runtime
+        _work_fn, _pool_runtime, _pool_generation = fn, runtime, self._generation
+        if runtime is not None:
+            self.pools_forked += 1
+            self._run_pool_fingerprint = data_fingerprint(runtime["data"])
+            self._current = set(range(self.workers))
         running = context.Array("q", 2 * self.workers)
         pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
                                    initargs=(self.threads, os.getpid(), running))
@@ -189,8 +243,9 @@ class ProcessExecutor:
         else:
             constant, call = split
             if self._run_pool is None or any(self._run_pool_constant[n] is not v for n, v in constant.items()):
-                self.close()
-                self._run_pool, self._run_pool_constant = self._new_pool(runtime=constant), constant
+                if not self._switch_run(constant):
+                    self.close()
+                    self._run_pool, self._run_pool_constant = self._new_pool(runtime=constant), constant
 
             def make_pool():  # after a worker died: a fresh pool of the same run
                 self._run_pool.shutdown(wait=True, cancel_futures=True)
@@ -212,7 +267,9 @@ class ProcessExecutor:
 
         def submit(chunk: list) -> None:
             indices, chunk_items = [i for i, _ in chunk], [it for _, it in chunk]
-            pending.append((indices, chunk_items, pool.submit(_call, indices, _pickled((call, chunk_items)))))
+            update = self._update if split is not None and len(self._current) < self.workers else None
+            payload = _pickled((self._generation, update, call, chunk_items))
+            pending.append((indices, chunk_items, pool.submit(_call, indices, payload)))
 
         def fill():
             while len(pending) < window:
@@ -226,7 +283,9 @@ class ProcessExecutor:
             while pending:
                 indices, chunk_items, future = pending[0]
                 try:
-                    pickled, seconds = future.result()
+                    pickled, seconds, slot, generation = future.result()
+                    if generation == self._generation:
+                        self._current.add(slot)
                     results = [pickle.loads(result) for result in pickled]
                 except BrokenProcessPool:
                     dead, code = self._casualty(pool)
@@ -276,8 +335,25 @@ class ProcessExecutor:
                 return int(running[2 * slot + 1]), first[running[2 * slot]]
         return None, next(iter(first.values()), None)
 
+    def _switch_run(self, constant: dict) -> bool:
+        """Let the run pool serve the run of ``constant`` if its workers hold that run's data as
+        it is now; False when they cannot (then a new pool forks)."""
+        held = self._run_pool_constant
+        if (self._run_pool is None or constant["data"] is not held["data"] or constant["device"] != held["device"]
+                or data_fingerprint(constant["data"]) != self._run_pool_fingerprint):
+            return False
+        buffer = io.BytesIO()
+        try:
+            _RuntimePickler(buffer, data_parts(constant["data"])).dump(
+                {name: value for name, value in constant.items() if name != "data"})
+        except Exception:  # something in the run that plain pickle cannot carry: fork instead
+            return False
+        self._generation += 1
+        self._update, self._current, self._run_pool_constant = buffer.getvalue(), set(), constant
+        return True
+
     def close(self) -> None:
         """Stop the run's pool (the engine calls this at the end of a run)."""
         if self._run_pool is not None:
             self._run_pool.shutdown(wait=True, cancel_futures=True)
-        self._run_pool = self._run_pool_constant = None
+        self._run_pool = self._run_pool_constant = self._update = None

@@ -18,8 +18,11 @@ For each point (a method, with the sweep's other settings):
 
 The tuning seeds (``tune.seeds``) default to one seed above every seed of ``experiment.seeds``:
 with distinct seeds the partition and the initialisation differ, so the configuration chosen is
-not fitted to the noise of the runs that then report it. Trials share their data: the partition
-is built once per seed and handed out as copies (:class:`~pfl_core.data.federated.DataCache`).
+not fitted to the noise of the runs that then report it. Trials share their data and their
+worker pool: the partition is built once per seed and handed from trial to trial, copied again
+only when a trial changed it (:class:`~pfl_core.data.federated.DataCache`), and a process pool
+serves the next trial while that trial's data is the one its workers forked with
+(:class:`~pfl_core.execution.planner.ExecutorCache`).
 
 MLflow: a parent run ``<point> (tuning)`` per point with one child run per trial (its params,
 ``tune_objective``, tag ``pfl.tune.state`` = complete or pruned); the parent holds
@@ -42,6 +45,7 @@ import attrs
 
 from pfl_core import registry
 from pfl_core.data.federated import DataCache
+from pfl_core.execution.planner import ExecutorCache
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError, SpecError, Stopped
 from pfl_core.spec import dump_toml, set_dotted, shown
@@ -54,6 +58,7 @@ PRUNER_STARTUP_TRIALS = 5  # trials that run whole before the median pruner stop
 # A trial's metrics reach MLflow in one write at most this often (a write per round cost a short
 # trial a tenth of its time); a trial has no checkpoint a kill could leave ahead of them.
 TRIAL_METRICS_EVERY_S = 10.0
+REUSE_POOLS = True  # a process pool kept from trial to trial (False: each trial forks its own; tests compare)
 
 
 @attrs.frozen
@@ -280,9 +285,13 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
                  {**flatten(plan.point.resolved.as_dict), "tune.seeds": json.dumps(plan.seeds)},
                  {"algorithm": spec.algorithm.name, "pfl.tune.study": study.study_name, **spec.tracking.tags})
     status = "FAILED"
+    # trials one after another share a process pool (forked again only when a trial changed
+    # its data); parallel trials each fork their own
+    executors = ExecutorCache() if REUSE_POOLS and tune.parallel == 1 else None
     try:
         objective = functools.partial(_objective, plan=plan, tracking_uri=tracking_uri, quiet=quiet,
-                                      data_cache=data_cache, counter=counter, parent_run_id=parent.run_id)
+                                      data_cache=data_cache, counter=counter, parent_run_id=parent.run_id,
+                                      executors=executors)
         # a grid smaller than tune.trials ends early: Optuna's GridSampler stops when it is done
         study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
                        callbacks=callbacks)
@@ -299,11 +308,13 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         status = run_status(exc)
         raise
     finally:
+        if executors is not None:
+            executors.close()
         parent.end(status)
 
 
 def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: DataCache, counter,
-               parent_run_id: str | None) -> float:
+               parent_run_id: str | None, executors: ExecutorCache | None = None) -> float:
     import optuna
 
     spec = plan.point.resolved.spec
@@ -335,7 +346,8 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
         try:
             run = Engine(resolved, tracker=tracker, progress=not quiet, run_name=label,
                          progress_label=counter.label(label) if counter else label,
-                         on_evaluated=report, data_cache=data_cache, artifacts=False).run()
+                         on_evaluated=report, data_cache=data_cache, artifacts=False,
+                         executor_cache=executors).run()
         except Pruned:
             raise optuna.TrialPruned() from None
         scores.append(objective_value(run.history, tune.metric, tune.objective, tune.direction))

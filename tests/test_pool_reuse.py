@@ -1,0 +1,113 @@
+"""Tuning trials run one after another share their data and their process pool: the data is
+handed from trial to trial while nothing changed it (``data_fingerprint``), the pool serves the
+next trial while that trial's data is the one its workers forked with, and every trial's result
+equals the one it gets in a pool of its own."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from test_tune import trials_of, tune_raw
+
+from pfl_core.data.federated import DataCache, data_fingerprint
+from pfl_core.engine import resolve
+from pfl_core.execution import process
+from pfl_core.study import tune
+from pfl_core.study.points import resolve_points
+
+pytest.importorskip("optuna")
+
+
+def _spec():
+    return resolve(tune_raw(sweep=None)).spec
+
+
+CHANGES = {
+    "a label changed in place": lambda d: d.clients[1].train_y.__setitem__(0, 1 - d.clients[1].train_y[0]),
+    "an input changed through a view": lambda d: d.clients[0].train_x[0].zero_(),
+    "a test tensor replaced by an equal copy": lambda d: setattr(d.clients[2], "test_y", d.clients[2].test_y.clone()),
+    "an index array written": lambda d: d.clients[0].indices["train"].__setitem__(0, -1),
+    "a client dropped": lambda d: d.clients.pop(),
+    "a client replaced by itself elsewhere": lambda d: d.clients.__setitem__(0, d.clients[1]),
+    "a scalar field": lambda d: setattr(d, "num_classes", d.num_classes + 1),
+    "a client's domain": lambda d: setattr(d.clients[0], "domain", 3),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=list(CHANGES))
+def test_the_fingerprint_sees_every_change_to_the_data(change):
+    data = DataCache().get(_spec())
+    before = data_fingerprint(data)
+    assert data_fingerprint(data) == before  # reading it changes nothing
+    CHANGES[change](data)
+    assert data_fingerprint(data) != before
+
+
+def test_the_cache_hands_back_unchanged_data_and_a_pristine_copy_of_changed_data():
+    spec, cache = _spec(), DataCache()
+    first = cache.get(spec)
+    labels = first.clients[0].train_y.clone()
+    assert cache.get(spec) is not first  # still in use: a second run gets its own copy
+    cache.release(first)
+    again = cache.get(spec)
+    assert again is first
+    again.clients[0].train_y += 1  # a trial that changed its data
+    cache.release(again)
+    fresh = cache.get(spec)
+    assert fresh is not again and fresh.clients[0].train_y.equal(labels)
+    other = resolve(tune_raw(sweep=None, **{"experiment.seed": 3})).spec
+    assert cache.get(other).clients[0].indices["train"].tolist() != fresh.clients[0].indices["train"].tolist()
+
+
+def _tuned_trials(tmp_path, monkeypatch, reuse: bool, addons=()):
+    """Objective of every trial of a 4-trial tuning on a 2-worker pool, and the pools forked."""
+    monkeypatch.setattr(tune, "REUSE_POOLS", reuse)
+    forked = []
+    new_pool = process.ProcessExecutor._new_pool
+
+    def counting(self, fn=None, runtime=None):
+        forked.append(runtime is not None)
+        return new_pool(self, fn=fn, runtime=runtime)
+
+    monkeypatch.setattr(process.ProcessExecutor, "_new_pool", counting)
+    folder = tmp_path / ("reused" if reuse else "forked")
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    raw = tune_raw(sweep=None, **{"tune.pruner": "none", "tracking.enabled": False,
+                                  "executor.name": "process", "executor.workers": 2})
+    raw["addons"] = list(addons)
+    (plan,) = tune.plan_tuning(resolve_points(raw, []), ["fedavg"])
+    tune.tune_point(plan, None, True, False, DataCache())
+    (trials,) = trials_of(folder / "optuna.db").values()
+    return [(t.params, t.value) for t in trials], sum(forked)
+
+
+def test_trials_share_one_pool_and_get_what_a_pool_of_their_own_gives(tmp_path, monkeypatch):
+    shared, shared_forks = _tuned_trials(tmp_path, monkeypatch, reuse=True)
+    own, own_forks = _tuned_trials(tmp_path, monkeypatch, reuse=False)
+    assert len(shared) == 4 and shared == own  # the same trials, each with the same objective
+    assert len({value for _, value in shared}) > 1  # the trials differ: a run not updated would repeat one
+    assert (shared_forks, own_forks) == (1, 4)
+
+
+def test_a_trial_that_changes_its_data_forks_a_new_pool(tmp_path, monkeypatch):
+    corrupt = [{"name": "corrupted_clients", "params": {"clients": [0]}}]
+    shared, shared_forks = _tuned_trials(tmp_path, monkeypatch, reuse=True, addons=corrupt)
+    own, own_forks = _tuned_trials(tmp_path, monkeypatch, reuse=False, addons=corrupt)
+    assert shared == own and shared_forks == own_forks == 4
+
+
+def test_a_kept_pool_loads_the_next_run_in_every_worker():
+    """The parts of the run (not the data) travel to the workers by position in the data: the
+    worker's unpickled runtime refers to its own copy of the data, not a copy of the parent's."""
+    data = DataCache().get(_spec())
+    parts = process.data_parts(data)
+    buffer = io.BytesIO()
+    held = {"spec": "s", "tensor": data.clients[0].train_x, "clients": data.clients}
+    process._RuntimePickler(buffer, parts).dump(held)
+    assert len(buffer.getvalue()) < data.clients[0].train_x.numel()  # the tensor did not travel
+    loaded = process._RuntimeUnpickler(io.BytesIO(buffer.getvalue()), parts).load()
+    assert loaded["tensor"] is data.clients[0].train_x and loaded["clients"] is data.clients
+    assert loaded["spec"] == "s"
