@@ -61,8 +61,8 @@ def test_the_cache_hands_back_unchanged_data_and_a_pristine_copy_of_changed_data
     assert cache.get(other).clients[0].indices["train"].tolist() != fresh.clients[0].indices["train"].tolist()
 
 
-def _tuned_trials(tmp_path, monkeypatch, reuse: bool, addons=()):
-    """Objective of every trial of a 4-trial tuning on a 2-worker pool, and the pools forked."""
+def _tuned_trials(tmp_path, monkeypatch, reuse: bool, addons=(), algorithm="fedavg", trials=4):
+    """Objective of every trial of a tuning on a 2-worker pool, and the pools forked."""
     monkeypatch.setattr(tune, "REUSE_POOLS", reuse)
     forked = []
     new_pool = process.ProcessExecutor._new_pool
@@ -72,13 +72,13 @@ def _tuned_trials(tmp_path, monkeypatch, reuse: bool, addons=()):
         return new_pool(self, fn=fn, runtime=runtime)
 
     monkeypatch.setattr(process.ProcessExecutor, "_new_pool", counting)
-    folder = tmp_path / ("reused" if reuse else "forked")
+    folder = tmp_path / f"{algorithm}-{'reused' if reuse else 'forked'}"
     folder.mkdir()
     monkeypatch.chdir(folder)
-    raw = tune_raw(sweep=None, **{"tune.pruner": "none", "tracking.enabled": False,
-                                  "executor.name": "process", "executor.workers": 2})
+    raw = tune_raw(trials, sweep=None, **{"tune.pruner": "none", "tracking.enabled": False, "algorithm.name": algorithm,
+                                          "executor.name": "process", "executor.workers": 2})
     raw["addons"] = list(addons)
-    (plan,) = tune.plan_tuning(resolve_points(raw, []), ["fedavg"])
+    (plan,) = tune.plan_tuning(resolve_points(raw, []), [algorithm])
     tune.tune_point(plan, None, True, False, DataCache())
     (trials,) = trials_of(folder / "optuna.db").values()
     return [(t.params, t.value) for t in trials], sum(forked)
@@ -90,6 +90,13 @@ def test_trials_share_one_pool_and_get_what_a_pool_of_their_own_gives(tmp_path, 
     assert len(shared) == 4 and shared == own  # the same trials, each with the same objective
     assert len({value for _, value in shared}) > 1  # the trials differ: a run not updated would repeat one
     assert (shared_forks, own_forks) == (1, 4)
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "ditto", "pfedme", "fedrep"])
+def test_methods_with_client_state_get_the_same_trials_in_a_shared_pool(tmp_path, monkeypatch, algorithm):
+    shared, shared_forks = _tuned_trials(tmp_path, monkeypatch, True, algorithm=algorithm, trials=2)
+    own, _ = _tuned_trials(tmp_path, monkeypatch, False, algorithm=algorithm, trials=2)
+    assert shared == own and shared_forks == 1
 
 
 def test_a_trial_that_changes_its_data_forks_a_new_pool(tmp_path, monkeypatch):

@@ -314,6 +314,8 @@ class Engine:
             if isinstance(exc, KeyboardInterrupt):
                 interrupt_seen()
             status = run_status(exc)  # Ctrl-C / SIGTERM: KILLED, not FAILED
+            if isinstance(exc, NonFiniteError):  # findable in the UI (a tuning trial that diverged)
+                self.tracker.set_tag("pfl.diverged", str(exc)[:1000])
             if isinstance(exc, Interrupted) and exc.round is None:  # where it stopped, for the one line
                 exc.round, exc.rounds, exc.run_name = checkpoint.round_in_progress(self), spec.experiment.rounds, self.run_name
                 exc.run_id = self.tracker.run_id

@@ -107,7 +107,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             for i, plan in enumerate(plans):
                 tuned = tune_point(plan, tracking_uri, quiet, resume_tuning, cache)
                 points[i] = tuned.point
-                print(f"-- {plan.name}: tuned in {tuned.complete + tuned.pruned} trials ({tuned.pruned} pruned): "
+                diverged = f", {tuned.diverged} diverged" if tuned.diverged else ""
+                print(f"-- {plan.name}: tuned in {tuned.ran} trials ({tuned.pruned} pruned{diverged}): "
                       f"{values_text(tuned.values)} "
                       f"({plan.point.resolved.spec.tune.metric} {tuned.objective:.4f})", file=out)
                 if results_dir is not None:

@@ -171,7 +171,8 @@ def _tuning_line(study: StoredStudy) -> str:
                and r.info.run_name.endswith("(tuning)")]
     if not parents:
         return ""
-    counts = [int(r.data.metrics.get("trials_complete", 0) + r.data.metrics.get("trials_pruned", 0)) for r in parents]
+    counts = [int(sum(r.data.metrics.get(f"trials_{state}", 0) for state in ("complete", "pruned", "diverged")))
+              for r in parents]
     params = parents[0].data.params
     trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
               "trials: " + ", ".join(f"{r.info.run_name.removesuffix(' (tuning)')} {n}" for r, n in zip(parents, counts)))

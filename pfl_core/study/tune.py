@@ -47,10 +47,11 @@ from pfl_core import registry
 from pfl_core.data.federated import DataCache
 from pfl_core.execution.planner import ExecutorCache
 from pfl_core.engine import Engine, resolve
-from pfl_core.errors import PflError, SpecError, Stopped
+from pfl_core.errors import NonFiniteError, PflError, SpecError, Stopped
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store
 from pfl_core.study.points import Point
+from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
 STORAGE_FILE = "optuna.db"
@@ -58,6 +59,7 @@ PRUNER_STARTUP_TRIALS = 5  # trials that run whole before the median pruner stop
 # A trial's metrics reach MLflow in one write at most this often (a write per round cost a short
 # trial a tenth of its time); a trial has no checkpoint a kill could leave ahead of them.
 TRIAL_METRICS_EVERY_S = 10.0
+DIVERGED = "pfl.diverged"  # user attribute of a trial whose training diverged (its message)
 REUSE_POOLS = True  # a process pool kept from trial to trial (False: each trial forks its own; tests compare)
 
 
@@ -263,6 +265,11 @@ class Tuned:
     objective: float
     complete: int
     pruned: int
+    diverged: int = 0  # trials whose training diverged (failed trials, counted in the budget)
+
+    @property
+    def ran(self) -> int:
+        return self.complete + self.pruned + self.diverged
 
 
 def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: bool, data_cache: DataCache,
@@ -271,7 +278,7 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
     its best configuration. ``callbacks``: Optuna's, called after each trial (benchmarks)."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed (diverged) trial: our own line says it
     spec = plan.point.resolved.spec
     tune = spec.tune
     storage = optuna.storages.RDBStorage(storage_url(plan.point, tracking_uri))
@@ -279,7 +286,8 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
                                 sampler=_sampler(tune, spec.experiment.seed, plan.space),
                                 pruner=_pruner(tune), direction=tune.direction, load_if_exists=True)
     _fail_abandoned(study)
-    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+            or DIVERGED in t.user_attrs]
     parent = make_tracker(spec.tracking, tracking_uri)
     parent.start(spec.tracking.experiment or spec.experiment.name, f"{plan.name} (tuning)",
                  {**flatten(plan.point.resolved.as_dict), "tune.seeds": json.dumps(plan.seeds)},
@@ -296,9 +304,9 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
                        callbacks=callbacks)
         tuned = _best(study, plan)
-        plan.ran = tuned.complete + tuned.pruned
+        plan.ran = tuned.ran
         parent.log_metrics({"best_objective": tuned.objective, "trials_complete": float(tuned.complete),
-                            "trials_pruned": float(tuned.pruned)}, step=0)
+                            "trials_pruned": float(tuned.pruned), "trials_diverged": float(tuned.diverged)}, step=0)
         for key, value in tuned.values.items():
             parent.log_param(f"best.{key}", value)
         parent.log_text(tuned_spec_toml(tuned), "tuned_spec.toml")
@@ -350,6 +358,10 @@ def _objective(trial, plan: TuningPlan, tracking_uri, quiet: bool, data_cache: D
                          executor_cache=executors).run()
         except Pruned:
             raise optuna.TrialPruned() from None
+        except NonFiniteError as exc:  # a result of the search, not an error of the study: the next trial runs
+            trial.set_user_attr(DIVERGED, str(exc))  # its run ended FAILED, tagged pfl.diverged by the engine
+            warning_line(f"{label}: {exc}; a failed trial, counted in tune.trials")
+            return float("nan")  # Optuna marks the trial failed; its sampler never picks it as the best
         scores.append(objective_value(run.history, tune.metric, tune.objective, tune.direction))
     return float(sum(scores) / len(scores))
 
@@ -414,14 +426,15 @@ def _best(study, plan: TuningPlan) -> Tuned:
     states = [t.state for t in study.trials]
     complete = states.count(optuna.trial.TrialState.COMPLETE)
     pruned = states.count(optuna.trial.TrialState.PRUNED)
+    diverged = sum(DIVERGED in t.user_attrs for t in study.trials)
     if not complete:
-        raise PflError(f"tune: no trial of {plan.name!r} ran to the end ({pruned} pruned); give more tune.trials "
-                       f"or tune.pruner = \"none\"")
+        raise PflError(f"tune: no trial of {plan.name!r} ran to the end ({pruned} pruned, {diverged} diverged); give "
+                       f"more tune.trials, tune.pruner = \"none\" or a space whose values train")
     best = study.best_trial
     values = {dim.key: best.params[dim.key] for dim in plan.space}
     raw = tuned_raw(plan.point, values)
     point = Point(plan.point.settings, resolve(raw), raw, plan.point.base)
-    return Tuned(point, values, float(best.value), complete, pruned)
+    return Tuned(point, values, float(best.value), complete, pruned, diverged)
 
 
 def tuned_spec_toml(tuned: Tuned) -> str:
