@@ -31,7 +31,7 @@ K = 8  # the mlp [8]'s classifier input
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]
 
 
-# -- (G1)-(G5) by hand --------------------------------------------------------------------------------
+# -- Eq. 5-11 by hand --------------------------------------------------------------------------------
 
 
 def test_conditional_inputs_by_hand():
@@ -146,7 +146,7 @@ def features(x, w):
 
 
 def gpfl_training(ctx, i, init, modules0, lam, mu, lr):
-    """Client i's first round written out: (G1)-(G5) from phi^0, the initial head, CoV^0 and E^0."""
+    """Client i's first round written out: Eq. 5-11 from phi^0, the initial head, CoV^0 and E^0."""
     table0 = modules0["gce.weight"]
     w = {k: init[k].clone().requires_grad_(True) for k in BODY + HEAD}
     modules = GlobalModules(K, ctx.num_classes)

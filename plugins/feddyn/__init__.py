@@ -28,7 +28,9 @@ Deviations from the paper, and what the authors' code (github.com/alpemreacar/Fe
   so h = (1/m) sum_k g_k after every round. The authors' code averages uniformly.
 - The authors' code scales alpha per device by the inverse of its relative data size
   (alpha_k = alpha / (n_k m / n)) for unbalanced data, clips gradient norms at 10, and reports
-  the mean of the devices' latest models (all devices, and the active ones), not theta^t.
+  the mean of the devices' latest models (all devices, and the active ones), not theta^t (the
+  paper's appendix on experimental details states the clipping, for every method, and the
+  all-device average, as a reporting choice that leaves the algorithm unchanged).
   Here alpha is one number for every device (Algorithm 1), there is no clipping, and theta^t
   is evaluated: it is what Algorithm 1 computes as the server model.
 - h and the correction -h/alpha exist for the model's parameters only; buffers (BatchNorm

@@ -1,45 +1,54 @@
 """GPFL: Zhang et al., "GPFL: Simultaneously Learning Global and Personalized Feature
 Information for Personalized Federated Learning", ICCV 2023.
 
-The model is a feature extractor phi (the body) and a linear classifier (the personalized head,
-the last layer). GPFL adds two modules the server averages, a Conditional Valve (CoV) and a
-Global Category Embedding layer (GCE): a table E of one K-vector e_c per class. With f = phi(x),
-the classifier's input, and the client's class proportions a_i (over its training split):
+The model is a feature extractor phi (the body) and a linear classifier (the personalized head
+psi, the last layer). GPFL adds two modules the server averages, a Conditional Valve (CoV, its
+parameters V) and a Global Category Embedding layer (GCE): a table E (the paper's C) of one
+K-vector e_c per class, C classes (the paper's U). f = phi(x) is the classifier's input, a_i the
+client's class proportions (over its training split). Equation and line numbers are those of the
+ICCV 2023 paper (Section 3.2 and its Algorithm 1):
 
-    g = (1/C) sum_c e_c,  p_i = sum_c a_i,c e_c      (global and personalized conditional inputs) (G1)
-    CoV(f, c) = ReLU(f * (gamma(c) + 1) + beta(c)),  gamma, beta: Linear -> ReLU -> LayerNorm   (G2)
+    g = (1/C) sum_c e_c                              (Eq. (5); e_c from the frozen copy of E)
+    a_i,c = the share of class c in client i's data  (Eq. (6))
+    p_i = sum_c a_i,c e_c                            (Eq. (7), see below: no 1/C here)
+    CoV(f, c) = ReLU(f * (gamma(c) + 1) + beta(c)),  gamma, beta: Linear -> ReLU -> LayerNorm
+                                                     (Eqs. (3)-(4))
     f^G = CoV(f, g) (global feature),  f^P = CoV(f, p_i) (personalized feature)
     output = head_i(f^P)
 
-Each round t:
+Each round t (Algorithm 1):
 
-    server: sends phi, the CoV and the GCE (E)
-    client i: phi, CoV, E <- the received ones; head_i its own (the initial head before its first
-        round); g, p_i from the received E (G1); E epochs of SGD on (phi, head_i, CoV, E) on
-            CE(head_i(f^P), y)
-            + CE(cos(f^G, e_1..C), y)            (angle-level guidance: cosine logits)        (G3)
-            + lam * || f^G_B - E^t[y_B] ||_2    (magnitude-level guidance, the batch's
-                                                 Frobenius norm, E^t the received table frozen) (G4)
-            + mu / 2 (||CoV||^2 + ||E||^2)      (regularisation of the global modules)         (G5)
-        uploads phi_i, CoV_i, E_i; keeps head_i
-    server: n_i-weighted averages of phi, CoV and E
+    server: sends phi, the CoV and the GCE (E)                                     (line 4)
+    client i: phi, CoV, E <- the received ones; a frozen copy E^t of E; head_i its own (the
+        initial head before its first round); g, p_i from E^t (Eqs. (5), (7))      (lines 6-8)
+        training.local_epochs epochs of SGD on (phi, head_i, CoV, E) together      (lines 9-13)
+        on L_i (Eq. (11)):
+            CE(head_i(f^P), y)                   (L^P, Eq. (10))
+            + CE(cos(f^G, e_1..C), y)            (L^alg, angle-level guidance: cosine logits, Eq. (8))
+            + lam * || f^G_B - E^t[y_B] ||_2    (L^mlg, magnitude-level guidance, Eq. (9): here
+                                                 the batch's Frobenius norm, E^t frozen)
+            + mu / 2 (||CoV||^2 + ||E||^2)      (the mu terms of Eq. (11), see below)
+        uploads phi_i, CoV_i, E_i; keeps head_i                                    (line 14)
+    server: n_i-weighted averages of phi, CoV and E                                (lines 15-18)
     evaluation: the received phi and CoV with the client's own head_i and p_i from the received E:
-        head_i(CoV(phi(x), p_i))
+        head_i(CoV(phi(x), p_i)) (the personalized route only, as the paper evaluates)
 
-(G1)-(G5) label the steps in this docstring; the paper's Section 4 (CoV, GCE, the angle-level
-and magnitude-level guidance) is the source, but we could not check its equation numbers here,
-so the labels are ours. Where the paper leaves a detail to the code we follow PFLlib
+Where the paper leaves a detail to the code, or prints something else, we follow PFLlib
 (``clientgpfl.py`` / ``servergpfl.py``, by the paper's first author) and say so:
 
-- (G3) is PFLlib's GCE loss: the cross-entropy of the cosine similarities (no scale) between f^G
-  and every class embedding. (G4) is PFLlib's ``torch.norm(f^G - e_y, 2)`` over the whole batch
-  (not squared, not averaged), with E frozen at the received table.
-- (G5): PFLlib gives the CoV and the GCE their own SGD with ``weight_decay = mu``; a term
-  mu/2 ||.||^2 has the same gradient, so with plain SGD the step is the same. Here one optimiser
-  (``training.*``) trains every part.
-- (G1): PFLlib computes g and p_i from the client's local table before it is overwritten by the
-  new global one (one round stale for a participant); we compute them from the received E, the
-  same table the guidance (G4) uses.
+- Eq. (7) prints p_i = (1/C) sum_c a_i,c e_c; PFLlib (and this plugin) leave out the 1/C, so
+  p_i here is C times the printed one (g, Eq. (5), does divide by C in both).
+- Eq. (8) is PFLlib's GCE loss: the cross-entropy of the cosine similarities (no scale) between
+  f^G and every class embedding. Eq. (9) is a per-sample ||f^G - e_y||_2 in the paper; we use
+  PFLlib's ``torch.norm(f^G - e_y, 2)`` over the whole batch (not squared, not averaged), with E
+  frozen at the received table.
+- Eq. (11) prints the regularisers as mu ||V||_2 + mu ||E||_2 (norms, not squared). PFLlib gives
+  the CoV and the GCE their own SGD with ``weight_decay = mu``, whose gradient is that of
+  mu/2 ||.||^2; we add mu/2 ||.||^2, so with plain SGD the step is PFLlib's. Here one optimiser
+  (``training.*``) trains every part (Algorithm 1 lines 9-13 update all four together).
+- Eqs. (5)-(7) from the received E, as Algorithm 1 lines 7-8 (copy the received table, then
+  compute g and p_i); PFLlib computes g and p_i from the client's local table before it is
+  overwritten by the new global one (one round stale for a participant).
 - ``lam = 0.01``, ``mu = 0.1``: the authors' run script for 4-layer CNNs and 3-layer MLPs.
 - The initial CoV and E are their own seeded draws (E ~ N(0, 1), nn.Embedding's), every client's
   initial head the seeded initial classifier.
@@ -48,7 +57,7 @@ so the labels are ours. Where the paper leaves a detail to the code we follow PF
   model without a feature extractor (one layer) or another last layer is refused at the model's
   key before any data is loaded.
 - Cold start: the newcomer receives phi, CoV and E, starts from the initial head and trains
-  ``experiment.coldstart_epochs`` epochs with (G3)-(G5); it is scored as a training client.
+  ``experiment.coldstart_epochs`` epochs on Eq. (11); it is scored as a training client.
 """
 
 from __future__ import annotations
@@ -66,9 +75,11 @@ from pfl_plugins.fedpac import ClassifierSplit
 @define
 class GPFLParams:
     lam: float = field(default=0.01, validator=[finite, at_least(0)], metadata={
-        "doc": "lambda (G4): weight of the magnitude-level guidance (the authors' run script for CNNs and MLPs)"})
+        "doc": "lambda of Eq. (11): weight of the magnitude-level guidance, Eq. (9) (the authors' run script "
+               "for CNNs and MLPs)"})
     mu: float = field(default=0.1, validator=[finite, at_least(0)], metadata={
-        "doc": "mu (G5): L2 regularisation of the CoV's and the GCE's parameters (PFLlib's weight decay on them)"})
+        "doc": "mu of Eq. (11): L2 regularisation of the CoV's and the GCE's parameters (PFLlib's weight decay on "
+               "them)"})
 
     @property
     def head_layers(self) -> int:
@@ -76,7 +87,7 @@ class GPFLParams:
 
 
 class ConditionalValve(nn.Module):
-    """(G2): CoV(f, c) = ReLU(f * (gamma(c) + 1) + beta(c))."""
+    """Eqs. (3)-(4): CoV(f, c) = ReLU(f * (gamma(c) + 1) + beta(c))."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -97,18 +108,19 @@ class GlobalModules(nn.Module):
 
 
 def conditional_inputs(table: torch.Tensor, proportions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G1): (g, p_i) = (the mean class embedding, the embeddings weighted by the class proportions)."""
+    """Eqs. (5), (7): (g, p_i) = (the mean class embedding, the embeddings weighted by the class
+    proportions; without Eq. (7)'s 1/C, as PFLlib)."""
     table = table.detach()
     return table.mean(0), proportions.to(table.dtype) @ table
 
 
 def angle_level_loss(f_global: torch.Tensor, table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(G3): cross-entropy of the cosine similarities between f^G and every class embedding."""
+    """Eq. (8): cross-entropy of the cosine similarities between f^G and every class embedding."""
     return F.cross_entropy(F.normalize(f_global, dim=1) @ F.normalize(table, dim=1).T, y)
 
 
 def magnitude_level_loss(f_global: torch.Tensor, frozen_table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(G4) without lambda: ||f^G - e_y||_2 over the whole batch (the Frobenius norm)."""
+    """Eq. (9), as PFLlib computes it: ||f^G - e_y||_2 over the whole batch (the Frobenius norm)."""
     return torch.norm(f_global - frozen_table[y].detach())
 
 
@@ -193,7 +205,7 @@ class GPFL(ClassifierSplit):
         modules = self.build_modules(ctx, classifier(model).in_features)
         modules.load_state_dict(message["modules"])
         counts = torch.bincount(client.data.train_y, minlength=ctx.num_classes)
-        generic, personal = conditional_inputs(modules.gce.weight, counts / counts.sum())  # (G1)
+        generic, personal = conditional_inputs(modules.gce.weight, counts / counts.sum())  # Eqs. (5)-(7)
         client.scratch.update(modules=modules, generic=generic, personal=personal,
                               frozen_table=modules.gce.weight.detach().clone())
         return True
@@ -212,7 +224,8 @@ class GPFL(ClassifierSplit):
 
     @hookimpl
     def local_objective(self, ctx, client, model, x, y, logits):
-        """(G3) + lam (G4) + mu/2 (G5) on the global feature f^G = CoV(f, g)."""
+        """Eq. (8) + lam Eq. (9) + the mu terms of Eq. (11) (as mu/2 ||.||^2) on the global feature
+        f^G = CoV(f, g); the core adds Eq. (10)."""
         if "emb" not in client.scratch or model is not client.model:
             return None
         modules = client.scratch["modules"]
