@@ -152,7 +152,7 @@ def gpfl_training(ctx, i, init, modules0, lam, mu, lr):
     modules = GlobalModules(K, ctx.num_classes)
     modules.load_state_dict(modules0)
     counts = torch.bincount(ctx.data.clients[i].train_y, minlength=ctx.num_classes).float()
-    g, p = table0.mean(0), (counts / counts.sum()) @ table0  # (G1) from the received table
+    g, p = table0.mean(0), (counts / counts.sum()) @ table0  # Eq. 5-7 from the received table
 
     def loss_fn(_model, x, y, _logits):
         f = features(x, w)
