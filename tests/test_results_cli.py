@@ -90,8 +90,11 @@ def test_exports_bold_the_best_and_carry_the_numbers(store, capsys):
     by_name = {r.name: r for r in results}
     best = max(results, key=lambda r: r.summary["acc_mean"].mean)
     _, md, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "markdown")
-    assert md.splitlines()[0] == "| run | seeds | acc_mean | acc_p10 | Δacc_mean vs fedavg | Δacc_p10 vs fedavg |"
+    assert md.splitlines()[0] == ("| run | seeds | acc_mean | acc_p10 | budget.private_epochs | budget.private_steps "
+                                  "| Δacc_mean vs fedavg | Δacc_p10 vs fedavg |")
     row = next(line for line in md.splitlines() if line.startswith(f"| {best.name} |"))
+    budget = [f"{best.summary[k].mean:g}" for k in ("budget.private_epochs", "budget.private_steps")]
+    assert row.split(" | ")[4:6] == budget and float(budget[1]) > float(budget[0])  # both units, each its own
     assert f"**{best.summary['acc_mean'].mean:.4f} ± {best.summary['acc_mean'].ci95:.4f}**" in row
     assert sum(line.count("**") for line in md.splitlines() if "acc_mean" not in line) == 2 * 2  # one per column
     _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "latex")

@@ -20,7 +20,7 @@ from pfl_core.engine import RunResult
 from pfl_core.errors import PflError, did_you_mean
 from pfl_core.study.compare import adjust_gains, comparisons
 from pfl_core.study.points import PointResult
-from pfl_core.study.report import COMPARED, print_comparison, print_table
+from pfl_core.study.report import COMPARED, budget_columns, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
 from pfl_core.study.stats import Summary
@@ -218,7 +218,9 @@ def markdown(table: Table) -> str:
     keys, diffs = _columns(table)
     ref = table.compare_to
     delta_keys = [k for k in keys if any(key == k for _, key in diffs)]
-    header = ["run", "seeds", *keys, *[f"Δ{k} vs {ref}" for k in delta_keys]]
+    # what "the same budget" was, per run, in both conventions (passes and optimiser steps)
+    budgets = [*budget_columns(table.results, "passes"), *budget_columns(table.results, "steps")]
+    header = ["run", "seeds", *keys, *budgets, *[f"Δ{k} vs {ref}" for k in delta_keys]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table.results:
         cells = [r.name, str(len(r.runs))]
@@ -229,6 +231,7 @@ def markdown(table: Table) -> str:
             mean, ci = _cell(r.summary[k])
             text = f"{mean} ± {ci}" if ci else mean
             cells.append(f"**{text}**" if r.summary[k].mean == _best(table.results, k) else text)
+        cells += [f"{r.summary[k].mean:g}" if k in r.summary else "-" for k in budgets]
         cells += [_delta(diffs[(r.name, k)]) if (r.name, k) in diffs else "-" for k in delta_keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([*([f"_{table.tuned}_", ""] if table.tuned else []), *lines, "", _footnote(table)]) + "\n"
