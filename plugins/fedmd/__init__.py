@@ -16,7 +16,7 @@ Mapping onto pfl rounds (one upload per round): round 1 = transfer learning + th
 upload of scores; round t >= 2 = receive the consensus of round t - 1, digest, revisit,
 upload scores on A_t. The consensus of the last round is therefore never digested.
 
-Decisions where the paper is silent (also in docs/reproductions.md):
+Decisions where the paper is silent:
 
 - Transfer learning: ``transfer_epochs`` epochs on U with its labels, then
   ``private_epochs`` epochs on the private data ("to convergence" in the paper: raise them).

@@ -34,8 +34,7 @@ losses) or ``"round"`` (once per round, from the full private training set and t
 pseudo-labelled U, as plotted in the paper's Appendix B). ``lam`` replaces the
 adaptive weight by a constant (FedCT).
 
-Decisions where the paper and METHODS.md are silent (also in
-docs/reproductions.md):
+Decisions where the paper and METHODS.md are silent:
 
 - ``comm_period`` None (default) = ``training.local_epochs`` epochs of the client's private
   data, i.e. (n_i // batch_size) * local_epochs steps (ceil with ``training.drop_last =

@@ -19,7 +19,7 @@ and the objective is the cross-entropy of that sum.
           lambda_i = sum_{j in N} m_j / (sum_{j in N} m_j + K m_i)           (Eq. 9)
           beta_t = 1 if t < C T^gamma else (C T^gamma / t)^2                (Eq. 10)
 
-Decisions where paper and METHODS.md are silent (also in docs/reproductions.md):
+Decisions where paper and METHODS.md are silent:
 
 - r is the core's ``experiment.participation`` (seeded per round); its spec default is 1.0,
   with which nobody is ever mixed and FedSimSup is local training of the summed model. The

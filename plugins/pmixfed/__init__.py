@@ -41,7 +41,7 @@ their module), in registration order, which is forward order for pfl's zoo. Laye
   client does not have takes no part in its broadcast or aggregation, so the deeper layers
   are learned by the clients that have them (renormalised p_i).
 
-Decisions where the resolution is silent (also in docs/reproductions.md):
+Decisions where the resolution is silent:
 
 * Defaults k (``slope``) and b (``offset``) were lost in the paper's extraction; they are
   chosen by the validation sweep of ``specs/pmixfed_tuning.toml`` (docs/pmixfed-tuning.md:
