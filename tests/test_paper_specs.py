@@ -16,7 +16,7 @@ import torch
 from pfl_core.data.federated import build_federated_data
 from pfl_core.runtime.context import ModelBank
 from pfl_core.spec import load_toml
-from pfl_core.study.points import check_compare_to, reference_points, resolve_points, run_name_for
+from pfl_core.study.points import check_compare_to, reference_points, resolve_points, run_name_for, run_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.toml"))
@@ -31,7 +31,7 @@ def in_repo_root(monkeypatch):
 def resolved_runs(path: Path) -> list[tuple[str, object]]:
     """(run name, Point) for every sweep point and every reference run, as --dry-run resolves them."""
     points = resolve_points(load_toml(path), [])
-    names = [run_name_for(p.resolved, p.settings) for p in points]
+    names = run_names(points)  # as pfl-run names them (same-method points told apart)
     check_compare_to(points, names)
     return [*zip(names, points), *reference_points(points)]
 
