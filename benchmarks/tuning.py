@@ -105,7 +105,7 @@ def startup(spec_path: str, repeats: int = 5) -> None:
     point; then handed back unchanged, or deep-copied), and the process pool: ``repeats``-trial
     tunings of one round each on a 2-worker pool, trials sharing the pool (``REUSE_POOLS``)
     against each trial forking its own, alternated twice so that a change in load hits both."""
-    from pfl_core.data.federated import DataCache
+    from pfl_core.data.cache import DataCache
     from pfl_core.execution import process
     from pfl_core.spec import load_toml
     from pfl_core.study import tune
@@ -124,7 +124,7 @@ def startup(spec_path: str, repeats: int = 5) -> None:
         started = time.perf_counter()
         data = cache.get(spec)
         handed.append(time.perf_counter() - started)
-        other = cache.get(spec)  # the first is still in use: a deep copy
+        cache.get(spec)  # the first is still in use: a deep copy
         copies.append(time.perf_counter() - started - handed[-1])
         cache.release(data)
     raw.update(tune={"trials": repeats, "pruner": "none", "sampler": "random",
@@ -148,11 +148,10 @@ def startup(spec_path: str, repeats: int = 5) -> None:
         forks.clear()
         with tempfile.TemporaryDirectory() as tmp:
             os.chdir(tmp)
-            study = [None]
-            tune.tune_point(plan, None, True, False, cache,
-                            callbacks=[lambda s, t: study.__setitem__(0, s)])
+            finished: list = []  # the Optuna study, from its callback
+            tune.tune_point(plan, None, True, False, cache, callbacks=[lambda study, trial: finished.append(study)])
             os.chdir(here)
-        trials = study[0].trials
+        trials = finished[-1].trials
         per_trial[reuse] += [(t.datetime_complete - t.datetime_start).total_seconds() for t in trials[1:]]
         print(f"  {'shared pool' if reuse else 'own pools  '}: {len(trials)} one-round trials, "
               f"{sum(forks)} pools forked")
@@ -179,7 +178,7 @@ def main(argv=None) -> int:
                              "CIFAR-10 one)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from pfl_core.data.federated import DataCache
+    from pfl_core.data.cache import DataCache
 
     space = parse_space(args.space)
     here = Path.cwd()

@@ -8,10 +8,9 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from test_tune import trials_of, tune_raw
 
-from pfl_core.data.federated import DataCache, data_fingerprint
+from pfl_core.data.cache import DataCache, data_fingerprint
 from pfl_core.engine import resolve
 from pfl_core.execution import process
 from pfl_core.study import tune

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from test_cli import one_line_error, run_cli, write_spec
 from tiny import tiny_raw
 
-from pfl_core.data.federated import DataCache
+from pfl_core.data.cache import DataCache
 from pfl_core.engine import Engine, resolve
 from pfl_core.study import run_spec_file
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from pfl_core import registry
-from pfl_core.data.federated import DataCache, build_federated_data
+from pfl_core.data.cache import DataCache
+from pfl_core.data.federated import build_federated_data
 from pfl_core.errors import (
     Interrupted,
     NonFiniteError,

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from pfl_core.data.federated import data_fingerprint, data_parts
+from pfl_core.data.cache import data_fingerprint, data_parts
 from pfl_core.errors import PflError
 from pfl_core.execution.views import rebuild_view_call, split_view_call
 from pfl_core.tracking.terminal import warning_line

@@ -8,7 +8,7 @@ import sys
 import attrs
 
 from pfl_core.errors import Interrupted, PflError
-from pfl_core.data.federated import DataCache
+from pfl_core.data.cache import DataCache
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
     PointResult,

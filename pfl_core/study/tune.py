@@ -20,7 +20,7 @@ The tuning seeds (``tune.seeds``) default to one seed above every seed of ``expe
 with distinct seeds the partition and the initialisation differ, so the configuration chosen is
 not fitted to the noise of the runs that then report it. Trials share their data and their
 worker pool: the partition is built once per seed and handed from trial to trial, copied again
-only when a trial changed it (:class:`~pfl_core.data.federated.DataCache`), and a process pool
+only when a trial changed it (:class:`~pfl_core.data.cache.DataCache`), and a process pool
 serves the next trial while that trial's data is the one its workers forked with
 (:class:`~pfl_core.execution.planner.ExecutorCache`).
 
@@ -44,10 +44,10 @@ from typing import Any
 import attrs
 
 from pfl_core import registry
-from pfl_core.data.federated import DataCache
-from pfl_core.execution.planner import ExecutorCache
+from pfl_core.data.cache import DataCache
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import NonFiniteError, PflError, SpecError, Stopped
+from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store
 from pfl_core.study.points import Point
