@@ -20,7 +20,7 @@ pytest.importorskip("optuna")
 
 
 def _spec():
-    return resolve(tune_raw(sweep=None)).spec
+    return resolve(tune_raw(sweep=None, public={"size": 30})).spec  # a public set: its parts are data too
 
 
 CHANGES = {
@@ -32,6 +32,9 @@ CHANGES = {
     "a client replaced by itself elsewhere": lambda d: d.clients.__setitem__(0, d.clients[1]),
     "a scalar field": lambda d: setattr(d, "num_classes", d.num_classes + 1),
     "a client's domain": lambda d: setattr(d.clients[0], "domain", 3),
+    "a class renamed": lambda d: d.class_names.__setitem__(0, "renamed"),
+    "a public input changed in place": lambda d: d.public.x[0].mul_(2),
+    "the public labels' truth replaced": lambda d: setattr(d.public, "true_y", d.public.true_y.clone()),
 }
 
 
@@ -117,3 +120,41 @@ def test_a_kept_pool_loads_the_next_run_in_every_worker():
     loaded = process._RuntimeUnpickler(io.BytesIO(buffer.getvalue()), parts).load()
     assert loaded["tensor"] is data.clients[0].train_x and loaded["clients"] is data.clients
     assert loaded["spec"] == "s"
+
+
+class _SameData:
+    """Hands every run the very same data object, unchecked (what ``DataCache`` never does):
+    the pool itself must notice that a run changed the data its workers forked with."""
+
+    def __init__(self, spec):
+        self.data = DataCache().get(spec)
+
+    def get(self, spec, device="cpu"):
+        return self.data
+
+    def release(self, data):
+        pass
+
+
+def test_a_kept_pool_forks_again_when_the_data_changed_under_it():
+    from pfl_core.engine import Engine
+    from pfl_core.execution.planner import ExecutorCache
+
+    process_raw = {"executor.name": "process", "executor.workers": 2, "experiment.rounds": 2}
+    clean = resolve(tune_raw(sweep=None, **process_raw))
+    corrupt_raw = tune_raw(sweep=None, **process_raw)
+    corrupt_raw["addons"] = [{"name": "corrupted_clients", "params": {"clients": [0, 1, 2]}}]
+    corrupt = resolve(corrupt_raw)
+    same, executors = _SameData(clean.spec), ExecutorCache()
+    try:
+        Engine(clean, progress=False, data_cache=same, executor_cache=executors).run()
+        kept = Engine(corrupt, progress=False, data_cache=same, executor_cache=executors)
+        flipped = kept.run()  # its set-up flipped labels in the object the pool forked with
+        forked = kept.ctx.executor.pools_forked
+    finally:
+        executors.close()
+    alone = Engine(corrupt, progress=False).run()
+    timed = ("round_seconds", "eval_seconds")
+    assert forked == 2
+    assert {k: v for k, v in flipped.final.items() if k not in timed} == {
+        k: v for k, v in alone.final.items() if k not in timed}

@@ -46,9 +46,10 @@ def _plain(values) -> tuple:
 def data_fingerprint(data: FederatedData) -> tuple:
     """What changes when anything changes ``data`` in place or replaces a part of it: every
     part's identity; a tensor's version counter (torch bumps it at every in-place change of the
-    tensor or of a view of it), storage and shape; an index array's bytes; a container's length
-    and the scalar fields. Writes that bypass the version counter (through ``tensor.data`` or
-    a numpy view of a tensor) are not seen: data is read-only to plugins (docs/architecture.md)."""
+    tensor or of a view of it), storage and shape; an index array's bytes; the scalar fields and
+    list items (a container's length shows in the parts walked). Writes that bypass the version
+    counter (through ``tensor.data`` or a numpy view of a tensor) are not seen: data is
+    read-only to plugins (docs/architecture.md)."""
     out: list = []
     for part in data_parts(data):
         if isinstance(part, torch.Tensor):
@@ -58,7 +59,7 @@ def data_fingerprint(data: FederatedData) -> tuple:
         elif isinstance(part, dict):
             out.append((id(part), tuple(part), _plain(part.values())))
         elif isinstance(part, list):
-            out.append((id(part), len(part), _plain(part)))
+            out.append((id(part), _plain(part)))  # its length: the parts walked
         else:  # FederatedData, ClientData, PublicData
             out.append((id(part), _plain(getattr(part, f.name) for f in attrs.fields(type(part)))))
     return tuple(out)

@@ -73,12 +73,12 @@ def _init_worker(threads: int, parent: int, running) -> None:
     torch.set_flush_denormal(True)
 
 
-def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int, int | None]:
+def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int]:
     """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
     torch's multiprocessing pickler would move tensors to shared memory instead. Each result
     is pickled as soon as it is computed: an upload may share the worker's working model,
-    which the next item trains. Returns (results, CPU seconds, this worker's slot, the run
-    generation it ran with)."""
+    which the next item trains. Returns (results, CPU seconds, this worker's slot: it now holds
+    the current run)."""
     started = time.process_time()
     generation, update, call, items = pickle.loads(payload)
     if call is not None and generation != _pool_generation:
@@ -88,7 +88,7 @@ def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int, 
     for index, item in zip(indices, items):
         _running[2 * _slot + 1] = index  # which item a death is blamed on
         results.append(_pickled(fn(item)))
-    return results, time.process_time() - started, _slot, _pool_generation
+    return results, time.process_time() - started, _slot
 
 
 _pool_runtime: dict | None = None  # in a persistent pool's workers: the run's constant part
@@ -283,9 +283,8 @@ class ProcessExecutor:
             while pending:
                 indices, chunk_items, future = pending[0]
                 try:
-                    pickled, seconds, slot, generation = future.result()
-                    if generation == self._generation:
-                        self._current.add(slot)
+                    pickled, seconds, slot = future.result()
+                    self._current.add(slot)  # maps run one at a time: every result is of this run
                     results = [pickle.loads(result) for result in pickled]
                 except BrokenProcessPool:
                     dead, code = self._casualty(pool)
