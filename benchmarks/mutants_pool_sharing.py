@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-import sys
 
 MUTANTS = [
  ("pfl_core/data/cache.py", "out.append((id(part), part._version, part.data_ptr(), tuple(part.shape)))", "out.append((id(part), part.data_ptr(), tuple(part.shape)))"),
