@@ -321,3 +321,23 @@ def test_reference_runs_stay_untuned_and_a_tuned_point_is_not_replaced_by_its_re
     assert tuned_local != reference  # the tuned point ran at 0.3, not as the reference run at 1e-5
     text = out.read_text()
     assert "local: tuned in 2 trials" in text and "tuned: 2 trials each" in text
+
+
+def test_a_method_that_diverges_on_a_final_seed_is_left_out_and_the_study_goes_on(tmp_path, capsys):
+    raw = tiny_raw(**{"experiment.rounds": 2, "experiment.seeds": [0, 1], "experiment.compare_to": "fedavg"})
+    raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}},
+                               {"algorithm": {"name": "fedprox"}, "training.lr": 1e9},
+                               {"algorithm": {"name": "local"}}]}
+    out = tmp_path / "o.txt"
+    with open(out, "w") as stream:
+        results = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=stream,
+                                out_dir=str(tmp_path / "res"))
+    assert [r.name for r in results] == ["fedavg", "local"]  # the method after it still ran
+    text = out.read_text()
+    assert "left out: fedprox lr=1000000000.0 diverged on seed 0 (round 1" in text and "local" in text
+    assert "the study goes on without it" in capsys.readouterr().err
+    assert not (tmp_path / "res" / "INCOMPLETE").exists()
+    # the method every row is compared with cannot be left out: one line, exit 2
+    raw["experiment"]["compare_to"] = "fedprox lr=1000000000.0"
+    code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--no-tracking", "--quiet")
+    assert code == 2 and one_line_error(err) and "diverged" in err

@@ -7,7 +7,7 @@ import sys
 
 import attrs
 
-from pfl_core.errors import Interrupted, PflError
+from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.data.cache import DataCache
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
@@ -26,6 +26,7 @@ from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_stu
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
 from pfl_core.tracking.store_check import check_store
 from pfl_core.tracking.study import begin_study, studied
+from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import current_study
 
 
@@ -95,6 +96,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
     partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
+    diverged: list[str] = []  # points whose training diverged on a seed: left out of the comparison
     reused_refs: set[int] = set()
     shown: list[PointResult] = []
 
@@ -122,7 +124,14 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 reused_refs.add(reused)
                 results.append(attrs.evolve(ref_results[reused], name=name))
             else:
-                results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
+                try:
+                    results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
+                except NonFiniteError as exc:  # that method's result, not the study's end
+                    if name == compare_to:  # nothing left to compare with
+                        raise
+                    diverged.append(diverged_line(point, name, exc, partial))
+                    warning_line(f"{diverged[-1]}; the study goes on without it")
+                    continue
                 print_point(results[-1], out, clients)
         shown = finished()
         if ref_results:
@@ -132,6 +141,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             if plans:
                 print(f"\n{describe(plans)}", file=out)
             print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget)
+            for line in diverged:
+                print(f"left out: {line}", file=out)
             study = current_study()
             if study is not None and study.parent is not None:
                 log_study_figures(study.parent, shown)
@@ -156,6 +167,13 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     if not quiet:  # --quiet: the summaries and the comparison only
         print_locations(points[0], out_dir, out)
     return shown
+
+
+def diverged_line(point, name: str, exc: NonFiniteError, partial: list[PointResult]) -> str:
+    """What a point that diverged on one of its seeds says in place of its row."""
+    finished = next((len(r.runs) for r in reversed(partial) if r.name == name), 0)
+    seed = f" on seed {point.seeds[finished]}" if point.seeds else ""
+    return f"{name} diverged{seed} ({' '.join(str(exc).split())[:200]})"
 
 
 LARGE_STUDY = 100  # runs (sweep points x seeds, and the reference runs) a study starts without --yes
