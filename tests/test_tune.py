@@ -341,3 +341,23 @@ def test_a_method_that_diverges_on_a_final_seed_is_left_out_and_the_study_goes_o
     raw["experiment"]["compare_to"] = "fedprox lr=1000000000.0"
     code, _, err = run_cli(capsys, write_spec(tmp_path, raw), "--no-tracking", "--quiet")
     assert code == 2 and one_line_error(err) and "diverged" in err
+
+
+def test_a_tuned_point_that_diverges_on_a_final_seed_is_left_out_too(tmp_path, monkeypatch, capsys):
+    from pfl_core.engine import Engine
+    from pfl_core.errors import NonFiniteError
+    from pfl_core.study import seeds
+
+    class DivergesOnSeed1(Engine):  # fedprox's final run on seed 1 diverges; its tuning trials do not
+        def run(self, *args, **kwargs):
+            if self.run_name == "fedprox seed=1":
+                raise NonFiniteError("round 1, client 0, method fedprox: the training loss became nan")
+            return super().run(*args, **kwargs)
+
+    monkeypatch.setattr(seeds, "Engine", DivergesOnSeed1)
+    monkeypatch.chdir(tmp_path)
+    raw = tune_raw(trials=2, sweep=("fedavg", "fedprox", "local"), **{"experiment.compare_to": "fedavg"})
+    with open(tmp_path / "o.txt", "w") as stream:
+        results = run_spec_file(write_spec(tmp_path, raw), [], quiet=True, no_tracking=True, out=stream)
+    assert [r.name for r in results] == ["fedavg", "local"]
+    assert "left out: fedprox diverged on seed 1 (round 1" in (tmp_path / "o.txt").read_text()

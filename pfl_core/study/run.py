@@ -96,7 +96,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
     partial: list[PointResult] = []  # a point whose later seeds failed: the seeds that finished
-    diverged: list[str] = []  # points whose training diverged on a seed: left out of the comparison
+    left_out: list[str] = []  # points whose training diverged on a final seed: not in the comparison
     reused_refs: set[int] = set()
     shown: list[PointResult] = []
 
@@ -129,8 +129,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 except NonFiniteError as exc:  # that method's result, not the study's end
                     if name == compare_to:  # nothing left to compare with
                         raise
-                    diverged.append(diverged_line(point, name, exc, partial))
-                    warning_line(f"{diverged[-1]}; the study goes on without it")
+                    left_out.append(diverged_line(point, name, exc, partial))
+                    warning_line(f"{left_out[-1]}; the study goes on without it")
                     continue
                 print_point(results[-1], out, clients)
         shown = finished()
@@ -141,7 +141,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             if plans:
                 print(f"\n{describe(plans)}", file=out)
             print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget)
-            for line in diverged:
+            for line in left_out:
                 print(f"left out: {line}", file=out)
             study = current_study()
             if study is not None and study.parent is not None:
