@@ -159,3 +159,22 @@ def test_a_study_with_reference_runs_is_rebuilt_with_its_gains(tmp_path, capsys)
     assert code == 0, err
     assert "gain_vs_local" in comparison_block(out) and "local (reference)" in comparison_block(out)
     assert comparison_block(out) == comparison_block(printed.getvalue())
+
+
+def test_a_point_left_out_by_pfl_run_is_left_out_of_its_stored_table(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"experiment.rounds": 2, "experiment.seeds": [0, 1], "tracking.enabled": True,
+                      "experiment.name": "diverging", "experiment.compare_to": "fedavg"})
+    raw["sweep"] = {"points": [{"algorithm": {"name": "fedavg"}},
+                               {"algorithm": {"name": "fedprox"}, "training.lr": 1e9},
+                               {"algorithm": {"name": "local"}}]}
+    printed = io.StringIO()
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out=printed)
+    mlflow.set_tracking_uri(None)
+    _, listing, _ = pfl(capsys, "results", "--tracking-uri", uri)
+    assert "FINISHED" in listing.splitlines()[1]  # the study finished, though one of its points stopped
+    _, table, _ = pfl(capsys, "results", "last", "--tracking-uri", uri)
+    block = printed.getvalue()[printed.getvalue().index("== comparison"):]
+    assert table.splitlines()[-len(block.splitlines()) + 1:] == block.splitlines()[1:]  # as pfl-run printed it
+    _, md, _ = pfl(capsys, "results", "last", "--tracking-uri", uri, "--format", "markdown")
+    assert "| fedprox" not in md and "left out: fedprox lr=1000000000.0 diverged on seed 0 (round 1" in md

@@ -79,7 +79,9 @@ def studies(client) -> list[StoredStudy]:
         study_runs = [r for _, r in members]
         points = compared_runs(study_runs)
         seeds = sorted({int(s) for p in points for s in p.data.tags.get("pfl.seeds", "").split(",") if s.strip()})
-        statuses = [r.info.status for r in points] or [r.info.status for r in study_runs]
+        parent = next((r for r in study_runs if r.info.run_id in {p.data.tags.get(PARENT_TAG) for p in points}), None)
+        statuses = ([parent.info.status] if parent is not None else
+                    [r.info.status for r in points] or [r.info.status for r in study_runs])
         found.append(StoredStudy(
             study_id, members[0][0], min(r.info.start_time for r in study_runs),
             list(dict.fromkeys(p.data.tags.get("algorithm", "?") for p in points)),
@@ -129,6 +131,7 @@ class Table:
     correction: str
     budget: str
     tuned: str  # "tuned: ..." or ""
+    left_out: list[str] = attrs.Factory(list)  # points that stopped (a seed diverged), as pfl-run said
 
 
 def load(client, study: StoredStudy) -> Table:
@@ -139,12 +142,15 @@ def load(client, study: StoredStudy) -> Table:
     for run in study.runs:
         if PARENT_TAG in run.data.tags:
             children.setdefault(run.data.tags[PARENT_TAG], []).append(run)
-    results = []
+    results, left_out = [], []
     for run in points:
         seeded = "pfl.seeds" in run.data.tags
         runs = sorted(children.get(run.info.run_id, []) if seeded else [run],
                       key=lambda r: int(r.data.params.get("experiment.seed", 0)))
         runs = [r for r in runs if TRIAL_TAG not in r.data.tags]
+        if run.info.status in ("FAILED", "KILLED") and len(points) > 1:  # pfl-run left it out of its table
+            left_out.append(_stopped(run, runs))
+            continue
         finals = [RunResult(history=[], client_rows=[], final=dict(r.data.metrics), run_id=r.info.run_id) for r in runs]
         seeds = [int(r.data.params.get("experiment.seed", 0)) for r in runs]
         results.append(PointResult(run.info.run_name, seeds, finals, summarize_runs(finals), run.info.run_id,
@@ -158,7 +164,18 @@ def load(client, study: StoredStudy) -> Table:
             result.summary.update(gains(result, [r for r in references if r.group == result.group]))
         adjust_gains(results, correction)
     compare_to = params.get("experiment.compare_to", "") or results[0].name
-    return Table(results, compare_to, correction, params.get("report.budget", "passes"), _tuning_line(study))
+    return Table(results, compare_to, correction, params.get("report.budget", "passes"), _tuning_line(study),
+                 left_out)
+
+
+def _stopped(point, runs: list) -> str:
+    """The line pfl-run printed under its table for a point that stopped part-way."""
+    diverged = [r for r in runs if "pfl.diverged" in r.data.tags]
+    if diverged:
+        seed = diverged[0].data.params.get("experiment.seed", "?")
+        return f"{point.info.run_name} diverged on seed {seed} ({diverged[0].data.tags['pfl.diverged'][:200]})"
+    done = sum(r.info.status == "FINISHED" for r in runs)
+    return f"{point.info.run_name} {point.info.status.lower()} ({done} seed run(s) finished)"
 
 
 def _is_reference(result: PointResult) -> bool:
@@ -234,7 +251,8 @@ def markdown(table: Table) -> str:
         cells += [f"{r.summary[k].mean:g}" if k in r.summary else "-" for k in budgets]
         cells += [_delta(diffs[(r.name, k)]) if (r.name, k) in diffs else "-" for k in delta_keys]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join([*([f"_{table.tuned}_", ""] if table.tuned else []), *lines, "", _footnote(table)]) + "\n"
+    return "\n".join([*([f"_{table.tuned}_", ""] if table.tuned else []), *lines, "", _footnote(table),
+                      *(f"\nleft out: {line}" for line in table.left_out)]) + "\n"
 
 
 def latex(table: Table) -> str:
@@ -331,6 +349,8 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
         if table.tuned:
             print(table.tuned, file=out)
         print_comparison(table.results, table.compare_to, out, table.correction, table.budget)
+        for line in table.left_out:
+            print(f"left out: {line}", file=out)
     return 0
 
 
