@@ -53,21 +53,22 @@ class ExecutorCache:
     closed at the end of their run, as without the cache."""
 
     def __init__(self):
-        self._kept: dict[tuple, ProcessExecutor] = {}
+        self._kept: dict[tuple, ProcessExecutor] = {}  # by (workers, threads, retries)
 
     def get(self, name: str, workers: int, threads: int, retries: int, address: str):
-        kept = self._kept.pop((name, workers, threads, retries), None) if name == "process" else None
+        kept = self._kept.pop((workers, threads, retries), None) if name == "process" else None
         return kept or make_executor(name, workers, threads, retries, address)
 
     def release(self, executor) -> None:
         """The run that got ``executor`` has ended: keep a process pool, close anything else."""
-        if isinstance(executor, ProcessExecutor):
-            previous = self._kept.pop((executor.name, executor.workers, executor.threads, executor.retries), None)
-            if previous is not None and previous is not executor:
-                previous.close()
-            self._kept[(executor.name, executor.workers, executor.threads, executor.retries)] = executor
-        else:
+        if not isinstance(executor, ProcessExecutor):
             executor.close()
+            return
+        key = (executor.workers, executor.threads, executor.retries)
+        previous = self._kept.get(key)
+        if previous is not None and previous is not executor:
+            previous.close()
+        self._kept[key] = executor
 
     def close(self) -> None:
         for executor in self._kept.values():

@@ -126,7 +126,7 @@ def _pickled(item) -> bytes:
     return buffer.getvalue()
 
 
-class _RuntimePickler(pickle.Pickler):
+class _RuntimePickler(_TensorPickler):
     """Pickles a run's constant part for a kept pool's workers, the data set left out: each part
     of the data (``data_parts``) travels as its position, which the worker resolves in the
     copy it forked with (the same data, unchanged: ``ProcessExecutor._switch_run`` checks)."""
@@ -137,8 +137,6 @@ class _RuntimePickler(pickle.Pickler):
 
     def persistent_id(self, obj):
         return self._positions.get(id(obj))
-
-    reducer_override = _TensorPickler.reducer_override
 
 
 class _RuntimeUnpickler(pickle.Unpickler):

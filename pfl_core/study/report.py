@@ -163,7 +163,7 @@ def check_budgets(results: list[PointResult], unit: str) -> None:
 
 
 def print_comparison(results: list[PointResult], reference: str, out, correction: str = "holm",
-                     budget: str = "passes") -> None:
+                     budget: str = "passes", left_out: list[str] = ()) -> None:
     """Every run as mean ± ci95, its collaboration gain over the reference runs (when
     ``experiment.reference`` is set), and its paired difference from ``reference`` over the
     same seeds with its p adjusted for the table's other comparisons of that metric
@@ -197,7 +197,15 @@ def print_comparison(results: list[PointResult], reference: str, out, correction
               file=out)
     if len({tuple(r.seeds) for r in results}) > 1:
         print("note: runs finished on different seed sets; differences use the seeds both have", file=out)
+    for line in left_out:
+        print(f"left out: {line}", file=out)
     check_budgets(results, budget)
+
+
+def left_out_line(name: str, seed, message: str) -> str:
+    """Under a comparison, for a point that diverged on one of its seeds (pfl-run, pfl results)."""
+    where = f" on seed {seed}" if seed is not None else ""
+    return f"{name} diverged{where} ({' '.join(message.split())[:200]})"
 
 
 P_NOTE = {"holm": "p adjusted by Holm's method over the table's comparisons of each metric; * = adjusted p < 0.05",

@@ -7,8 +7,8 @@ import sys
 
 import attrs
 
-from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.data.cache import DataCache
+from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
     PointResult,
@@ -20,7 +20,7 @@ from pfl_core.study.points import (
     same_run,
     study_params,
 )
-from pfl_core.study.report import dry_run_report, print_comparison, print_locations, print_point
+from pfl_core.study.report import dry_run_report, left_out_line, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
 from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_study_figures, run_point
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
@@ -140,9 +140,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             log_differences(points[0], shown, compare_to, tracking_uri)
             if plans:
                 print(f"\n{describe(plans)}", file=out)
-            print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget)
-            for line in left_out:
-                print(f"left out: {line}", file=out)
+            print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget, left_out)
             study = current_study()
             if study is not None and study.parent is not None:
                 log_study_figures(study.parent, shown)
@@ -172,8 +170,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
 def diverged_line(point, name: str, exc: NonFiniteError, partial: list[PointResult]) -> str:
     """What a point that diverged on one of its seeds says in place of its row."""
     finished = next((len(r.runs) for r in reversed(partial) if r.name == name), 0)
-    seed = f" on seed {point.seeds[finished]}" if point.seeds else ""
-    return f"{name} diverged{seed} ({' '.join(str(exc).split())[:200]})"
+    return left_out_line(name, point.seeds[finished] if point.seeds else None, str(exc))
 
 
 LARGE_STUDY = 100  # runs (sweep points x seeds, and the reference runs) a study starts without --yes

@@ -20,7 +20,7 @@ from pfl_core.engine import RunResult
 from pfl_core.errors import PflError, did_you_mean
 from pfl_core.study.compare import adjust_gains, comparisons
 from pfl_core.study.points import PointResult
-from pfl_core.study.report import COMPARED, budget_columns, print_comparison, print_table
+from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
 from pfl_core.study.stats import Summary
@@ -79,7 +79,8 @@ def studies(client) -> list[StoredStudy]:
         study_runs = [r for _, r in members]
         points = compared_runs(study_runs)
         seeds = sorted({int(s) for p in points for s in p.data.tags.get("pfl.seeds", "").split(",") if s.strip()})
-        parent = next((r for r in study_runs if r.info.run_id in {p.data.tags.get(PARENT_TAG) for p in points}), None)
+        point_parents = {p.data.tags.get(PARENT_TAG) for p in points}
+        parent = next((r for r in study_runs if r.info.run_id in point_parents), None)
         statuses = ([parent.info.status] if parent is not None else
                     [r.info.status for r in points] or [r.info.status for r in study_runs])
         found.append(StoredStudy(
@@ -172,8 +173,8 @@ def _stopped(point, runs: list) -> str:
     """The line pfl-run printed under its table for a point that stopped part-way."""
     diverged = [r for r in runs if "pfl.diverged" in r.data.tags]
     if diverged:
-        seed = diverged[0].data.params.get("experiment.seed", "?")
-        return f"{point.info.run_name} diverged on seed {seed} ({diverged[0].data.tags['pfl.diverged'][:200]})"
+        run = diverged[0]
+        return left_out_line(point.info.run_name, run.data.params.get("experiment.seed", "?"), run.data.tags["pfl.diverged"])
     done = sum(r.info.status == "FINISHED" for r in runs)
     return f"{point.info.run_name} {point.info.status.lower()} ({done} seed run(s) finished)"
 
@@ -348,9 +349,7 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
         print(f"study {study.id}: experiment {study.experiment!r}, {study.date}, {study.status}", file=out)
         if table.tuned:
             print(table.tuned, file=out)
-        print_comparison(table.results, table.compare_to, out, table.correction, table.budget)
-        for line in table.left_out:
-            print(f"left out: {line}", file=out)
+        print_comparison(table.results, table.compare_to, out, table.correction, table.budget, table.left_out)
     return 0
 
 
