@@ -86,3 +86,32 @@ def test_paper_table_specs_repeat_five_seeds_against_the_method_under_test(name)
     algorithms = [p.resolved.spec.algorithm.name for p in points]
     assert len(set(algorithms)) == len(algorithms), algorithms  # one point per method
     assert not {"local", "centralized"} & set(algorithms)  # those are the reference runs
+
+
+REPRO_SPECS = sorted(p.name for p in (ROOT / "specs").glob("repro_*.toml"))
+# Points that run the steps convention on purpose (the same optimiser steps per model part),
+# beside the passes-convention point of the same method (issue 24: both conventions).
+STEPS_CONVENTION_POINTS = {"repro_pmixfed_cifar10.toml": {"fedalt"}}
+
+
+@pytest.mark.parametrize("name", REPRO_SPECS)
+def test_reproduction_specs_give_every_point_the_same_private_passes(name):
+    runs = resolved_runs(ROOT / "specs" / name)
+    steps_points = STEPS_CONVENTION_POINTS.get(name, set())
+    budgets = {label: point.resolved.as_dict["budget"]["private_epochs"]
+               for label, point in runs if label not in steps_points}
+    assert len(set(budgets.values())) == 1, budgets
+    assert {label for label, _ in runs} >= steps_points  # the exemption names a real point
+
+
+@pytest.mark.parametrize("name", [n for n in REPRO_SPECS if "untuned" not in n and "flipped" not in n])
+def test_tuned_reproduction_specs_tune_local_fedavg_and_the_method_on_five_seeds(name):
+    raw = load_toml(ROOT / "specs" / name)
+    points = resolve_points(raw, [])
+    algorithms = [p.resolved.spec.algorithm.name for p in points]
+    assert {"local", "fedavg"} <= set(algorithms), algorithms
+    assert raw["tune"]["trials"] >= 8 and raw["tune"]["metric"].startswith("val_")
+    assert not set(raw["tune"]["seeds"]) & {0, 1, 2, 3, 4}  # tuning seeds are not final seeds
+    experiment = points[0].resolved.spec.experiment
+    assert experiment.seeds == [0, 1, 2, 3, 4]
+    assert experiment.compare_to == run_name_for(points[0].resolved, points[0].settings)
