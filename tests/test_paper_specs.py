@@ -91,7 +91,7 @@ def test_paper_table_specs_repeat_five_seeds_against_the_method_under_test(name)
 REPRO_SPECS = sorted(p.name for p in (ROOT / "specs").glob("repro_*.toml"))
 # Points that run the steps convention on purpose (the same optimiser steps per model part),
 # beside the passes-convention point of the same method (issue 24: both conventions).
-STEPS_CONVENTION_POINTS = {"repro_pmixfed_cifar10.toml": {"fedalt"}}
+STEPS_CONVENTION_POINTS = {"repro_pmixfed_cifar10.toml": {"fedalt"}, "repro_pmixfed_mnist.toml": {"fedalt"}}
 
 
 @pytest.mark.parametrize("name", REPRO_SPECS)
@@ -109,7 +109,9 @@ def test_tuned_reproduction_specs_tune_local_fedavg_and_the_method_on_five_seeds
     raw = load_toml(ROOT / "specs" / name)
     points = resolve_points(raw, [])
     algorithms = [p.resolved.spec.algorithm.name for p in points]
-    assert {"local", "fedavg"} <= set(algorithms), algorithms
+    # FedAvg averages parameters: it cannot run where the clients' architectures differ (COSMOS)
+    same_architecture = not points[0].resolved.spec.model.pool
+    assert {"local", "fedavg"} <= set(algorithms) or (not same_architecture and "local" in algorithms), algorithms
     assert raw["tune"]["trials"] >= 8 and raw["tune"]["metric"].startswith("val_")
     assert not set(raw["tune"]["seeds"]) & {0, 1, 2, 3, 4}  # tuning seeds are not final seeds
     experiment = points[0].resolved.spec.experiment
