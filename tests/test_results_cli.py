@@ -178,3 +178,38 @@ def test_a_point_left_out_by_pfl_run_is_left_out_of_its_stored_table(tmp_path, c
     assert table.splitlines()[-len(block.splitlines()) + 1:] == block.splitlines()[1:]  # as pfl-run printed it
     _, md, _ = pfl(capsys, "results", "last", "--tracking-uri", uri, "--format", "markdown")
     assert "| fedprox" not in md and "left out: fedprox lr=1000000000.0 diverged on seed 0 (round 1" in md
+
+
+def test_paired_compares_two_metrics_of_the_same_runs_per_point_holm_adjusted(store, capsys):
+    """acc_mean - acc_p10 per seed run, hand-computed from the run results, Holm over the 3 points."""
+    uri, _, results = store
+    code, md, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_mean,acc_p10")
+    assert code == 0, err
+    assert md.splitlines()[0] == "| run | seeds | acc_mean | acc_p10 | acc_mean - acc_p10 |"
+    diffs = [stats.paired_difference([r.final["acc_mean"] for r in p.runs], [r.final["acc_p10"] for r in p.runs])
+             for p in results]
+    adjusted = stats.adjust(diffs, "holm")
+    for point, d in zip(results, adjusted):
+        row = next(line for line in md.splitlines() if line.startswith(f"| {point.name} |")).split(" | ")
+        assert row[1] == "2"
+        assert row[2].startswith(f"{point.summary['acc_mean'].mean:.4f} ± ")
+        assert row[3].startswith(f"{point.summary['acc_p10'].mean:.4f} ± ")
+        assert row[4].startswith(f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]")
+        if d.p_adjusted >= 0.001:
+            assert f"p={d.p_adjusted:.3f}" in row[4]
+    # reversed, the difference changes sign and nothing else
+    _, reverse, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_p10,acc_mean")
+    first = next(line for line in reverse.splitlines() if line.startswith(f"| {results[0].name} |"))
+    assert first.split(" | ")[4].startswith(f"{-adjusted[0].mean:+.4f} [{-adjusted[0].high:+.4f}, {-adjusted[0].low:+.4f}]")
+
+
+@pytest.mark.parametrize("study, value, words", [
+    ("sweep", "acc_mean", "give two different metrics as A,B (got 'acc_mean')"),
+    ("sweep", "acc_mean,acc_mean", "give two different metrics"),
+    ("sweep", "acc_mean,acc_p1", "'acc_p1' is missing (did you mean 'acc_p10'?)"),
+    (None, "acc_mean,acc_p10", "give STUDY"),
+])
+def test_paired_bad_input_is_one_line_and_exit_2(store, capsys, study, value, words):
+    uri, _, _ = store
+    code, _, err = pfl(capsys, "results", *([study] if study else []), "--tracking-uri", uri, "--paired", value)
+    assert code == 2 and words in one_line_error(err)

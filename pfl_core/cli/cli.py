@@ -312,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.add_argument("--plot", metavar="PNG", default=None,
                          help="also draw each method's mean curve over seeds with its 95%% band into this file")
     results.add_argument("--metric", default="acc_mean", help="the metric --plot draws (default acc_mean)")
+    results.add_argument("--paired", metavar="A,B", default=None,
+                         help="instead of the table: per point, metric A against metric B of the same runs, "
+                              "paired by seed (e.g. lambda_corrupted_mean,lambda_clean_mean), as Markdown")
     docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
                                        "write it into a file's generated region")
     target = docs.add_mutually_exclusive_group()
@@ -334,7 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.plot is not None and args.study is None:
                 parser.error("--plot draws one study: give STUDY (or \"last\")")
-            return results_main(args.study, args.tracking_uri, args.fmt, args.plot, args.metric, sys.stdout)
+            paired = None
+            if args.paired is not None:
+                paired = tuple(m.strip() for m in args.paired.split(","))
+                if len(paired) != 2 or not all(paired) or paired[0] == paired[1]:
+                    raise PflError(f"--paired: give two different metrics as A,B (got {args.paired!r})")
+                if args.study is None:
+                    raise PflError("--paired compares within one study: give STUDY (or \"last\")")
+            return results_main(args.study, args.tracking_uri, args.fmt, args.plot, args.metric, sys.stdout, paired)
         if args.command == "replay":
             from pfl_core.tracking.journal import replay_main
 

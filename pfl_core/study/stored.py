@@ -23,7 +23,7 @@ from pfl_core.study.points import PointResult
 from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
-from pfl_core.study.stats import Summary
+from pfl_core.study.stats import Summary, adjust, paired_difference, summarize
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
 
@@ -301,6 +301,37 @@ def _footnote(table: Table) -> str:
             f"{p}; * = adjusted p < 0.05")
 
 
+def within_runs(table: Table, first: str, second: str) -> list[tuple[str, Summary, Summary, Summary]]:
+    """Per point: ``first``, ``second`` and ``first - second`` paired over the point's seed runs
+    (two metrics of the same runs, e.g. the corrupted clients' lambda against the clean ones'),
+    the differences' p adjusted across the points (the table's correction). Points whose runs
+    lack either metric are left out; no point with both is an error naming the metrics there are."""
+    rows = []
+    for r in table.results:
+        pairs = [(run.final[first], run.final[second]) for run in r.runs if first in run.final and second in run.final]
+        if len(pairs) == len(r.runs) and pairs:
+            a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+            rows.append((r.name, summarize(a), summarize(b), paired_difference(a, b)))
+    if not rows:
+        known = sorted({k for r in table.results for run in r.runs for k in run.final})
+        missing = first if not any(first in run.final for r in table.results for run in r.runs) else second
+        raise PflError(f"--paired: no point's runs all logged both {first!r} and {second!r}: "
+                       f"{missing!r} is missing{did_you_mean(missing, known)}")
+    adjusted = adjust([d for *_, d in rows], table.correction)
+    return [(name, a, b, d) for (name, a, b, _), d in zip(rows, adjusted)]
+
+
+def within_markdown(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
+                    correction: str) -> str:
+    lines = [f"| run | seeds | {first} | {second} | {first} - {second} |", "|---|---|---|---|---|"]
+    for name, a, b, d in rows:
+        cells = [" ± ".join(x for x in _cell(s) if x) for s in (a, b)]
+        lines.append(f"| {name} | {a.n} | {cells[0]} | {cells[1]} | {_delta(d)} |")
+    p = "p: paired t-test, Holm-adjusted over the runs" if correction == "holm" else "p: paired t-test, unadjusted"
+    note = f"mean ± 95% interval over the seeds; the difference is paired by seed (the same runs); {p}; * = adjusted p < 0.05"
+    return "\n".join([*lines, "", note]) + "\n"
+
+
 def csv_text(table: Table) -> str:
     return comparison_csv(table.results)
 
@@ -321,7 +352,8 @@ def curves(client, table: Table, metric: str) -> list[tuple[str, list[float], li
 # -- the command -----------------------------------------------------------------------------
 
 
-def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: str | None, metric: str, out) -> int:
+def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: str | None, metric: str, out,
+                 paired: tuple[str, str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
 
     uri = store_uri(tracking_uri)
@@ -339,6 +371,9 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
     table = load(client, study)
     if plot is not None:
         draw(client, table, metric, plot, study)
+    if paired is not None:
+        out.write(within_markdown(within_runs(table, *paired), *paired, table.correction))
+        return 0
     if fmt == "markdown":
         out.write(markdown(table))
     elif fmt == "latex":
