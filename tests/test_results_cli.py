@@ -213,3 +213,23 @@ def test_paired_bad_input_is_one_line_and_exit_2(store, capsys, study, value, wo
     uri, _, _ = store
     code, _, err = pfl(capsys, "results", *([study] if study else []), "--tracking-uri", uri, "--paired", value)
     assert code == 2 and words in one_line_error(err)
+
+
+def test_paired_leaves_out_a_point_whose_runs_did_not_all_log_both_metrics():
+    """A hand-made table: 'partial' lacks B on one seed run (left out, not paired over the rest);
+    'complete' has both on all three: B - A = 1, 2, 3 -> mean 2, p from the t-test on (1, 2, 3)."""
+    from pfl_core.engine import RunResult
+    from pfl_core.study.points import PointResult
+    from pfl_core.study.stored import Table, within_runs
+
+    def point(name, finals):
+        runs = [RunResult(history=[], client_rows=[], final=f, run_id=None) for f in finals]
+        return PointResult(name, list(range(len(runs))), runs, {})
+
+    complete = point("complete", [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 3.0}, {"a": 1.0, "b": 4.0}])
+    partial = point("partial", [{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.5}, {"a": 1.0}])
+    rows = within_runs(Table([partial, complete], "complete", "holm", "passes", ""), "b", "a")
+    assert [name for name, *_ in rows] == ["complete"]
+    _, b, a, d = rows[0]
+    assert (a.mean, b.mean, d.mean, d.n) == (1.0, 3.0, 2.0, 3)
+    assert d.p == pytest.approx(stats.paired_difference([2.0, 3.0, 4.0], [1.0, 1.0, 1.0]).p)
