@@ -306,19 +306,15 @@ def within_runs(table: Table, first: str, second: str) -> list[tuple[str, Summar
     (two metrics of the same runs, e.g. the corrupted clients' lambda against the clean ones'),
     the differences' p adjusted across the points (the table's correction). Points whose runs
     lack either metric are left out; no point with both is an error naming the metrics there are."""
-    rows = []
-    for r in table.results:
-        pairs = [(run.final[first], run.final[second]) for run in r.runs if first in run.final and second in run.final]
-        if len(pairs) == len(r.runs) and pairs:
-            a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-            rows.append((r.name, summarize(a), summarize(b), paired_difference(a, b)))
-    if not rows:
+    complete = [r for r in table.results
+                if r.runs and all(first in run.final and second in run.final for run in r.runs)]
+    if not complete:
         known = sorted({k for r in table.results for run in r.runs for k in run.final})
-        missing = first if not any(first in run.final for r in table.results for run in r.runs) else second
+        missing = first if first not in known else second
         raise PflError(f"--paired: no point's runs all logged both {first!r} and {second!r}: "
                        f"{missing!r} is missing{did_you_mean(missing, known)}")
-    adjusted = adjust([d for *_, d in rows], table.correction)
-    return [(name, a, b, d) for (name, a, b, _), d in zip(rows, adjusted)]
+    differences = adjust([paired_difference(r.values(first), r.values(second)) for r in complete], table.correction)
+    return [(r.name, summarize(r.values(first)), summarize(r.values(second)), d) for r, d in zip(complete, differences)]
 
 
 def within_markdown(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
