@@ -207,6 +207,7 @@ def test_paired_compares_two_metrics_of_the_same_runs_per_point_holm_adjusted(st
     ("sweep", "acc_mean", "give two different metrics as A,B (got 'acc_mean')"),
     ("sweep", "acc_mean,acc_mean", "give two different metrics"),
     ("sweep", "acc_mean,acc_p1", "'acc_p1' is missing (did you mean 'acc_p10'?)"),
+    ("sweep", "acc_p1,acc_mean", "'acc_p1' is missing (did you mean 'acc_p10'?)"),  # either side
     (None, "acc_mean,acc_p10", "give STUDY"),
 ])
 def test_paired_bad_input_is_one_line_and_exit_2(store, capsys, study, value, words):
