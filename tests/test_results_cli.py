@@ -203,6 +203,32 @@ def test_paired_compares_two_metrics_of_the_same_runs_per_point_holm_adjusted(st
     assert first.split(" | ")[4].startswith(f"{-adjusted[0].mean:+.4f} [{-adjusted[0].high:+.4f}, {-adjusted[0].low:+.4f}]")
 
 
+def test_paired_csv_holds_the_unrounded_numbers_and_latex_the_markdown_cells(store, capsys):
+    """--format csv: per point the means, intervals, the paired difference and both p-values,
+    hand-computed (Holm over the 3 points); latex: the Markdown's cells, names escaped."""
+    uri, _, results = store
+    code, text, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_mean,acc_p10",
+                          "--format", "csv")
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(text)))
+    diffs = stats.adjust([stats.paired_difference([r.final["acc_mean"] for r in p.runs],
+                                                  [r.final["acc_p10"] for r in p.runs]) for p in results], "holm")
+    assert [row["run"] for row in rows] == [p.name for p in results]
+    for row, point, d in zip(rows, results, diffs):
+        assert int(row["seeds"]) == 2
+        assert float(row["acc_mean"]) == pytest.approx(point.summary["acc_mean"].mean)
+        assert float(row["acc_p10_ci95"]) == pytest.approx(point.summary["acc_p10"].ci95)
+        got = [float(row[k]) for k in ("difference", "difference_low", "difference_high", "p", "p_adjusted")]
+        assert got == pytest.approx([d.mean, d.low, d.high, d.p, d.p_adjusted])
+    _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_mean,acc_p10",
+                    "--format", "latex")
+    assert r"run & seeds & acc\_mean & acc\_p10 & acc\_mean $-$ acc\_p10 \\" in tex
+    line = next(x for x in tex.splitlines() if x.startswith(results[0].name.replace("_", r"\_") + " & "))
+    d = diffs[0]
+    assert f"${d.mean:+.4f}$ [{d.low:+.4f}, {d.high:+.4f}]" in line
+    assert line.count(r" \pm ") == 2 and tex.rstrip().endswith("* = adjusted p < 0.05")
+
+
 @pytest.mark.parametrize("study, value, words", [
     ("sweep", "acc_mean", "give two different metrics as A,B (got 'acc_mean')"),
     ("sweep", "acc_mean,acc_mean", "give two different metrics"),

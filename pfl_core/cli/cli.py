@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.add_argument("--metric", default="acc_mean", help="the metric --plot draws (default acc_mean)")
     results.add_argument("--paired", metavar="A,B", default=None,
                          help="instead of the table: per point, metric A against metric B of the same runs, "
-                              "paired by seed (e.g. lambda_corrupted_mean,lambda_clean_mean), as Markdown")
+                              "paired by seed (e.g. lambda_corrupted_mean,lambda_clean_mean), in --format (table: Markdown)")
     docs = sub.add_parser("docs", help="print the built-in plugins' parameter reference (Markdown), or "
                                        "write it into a file's generated region")
     target = docs.add_mutually_exclusive_group()

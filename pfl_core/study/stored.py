@@ -9,7 +9,9 @@ rebuilt from their top-level runs the same way."""
 
 from __future__ import annotations
 
+import csv
 import datetime
+import io
 import math
 import os
 from pathlib import Path
@@ -277,14 +279,17 @@ def latex(table: Table) -> str:
             cells.append(f"${mean} \\pm {ci}$" if ci else f"${mean}$")
         for k in delta_keys:
             d = diffs.get((r.name, k))
-            p = "" if d is None or math.isnan(d.p_adjusted) else f", $p={max(d.p_adjusted, 0.001):.3f}$"
-            cells.append("--" if d is None else f"${d.mean:+.4f}$ [{d.low:+.4f}, {d.high:+.4f}]{p}"
-                         + ("$^*$" if d.significant else ""))
+            cells.append("--" if d is None else _latex_delta(d))
         lines.append(" & ".join(cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}", f"% {_footnote(table)}"]
     if table.tuned:
         lines.append(f"% {table.tuned}")
     return "\n".join(lines) + "\n"
+
+
+def _latex_delta(d: Summary) -> str:
+    p = "" if math.isnan(d.p_adjusted) else f", $p={max(d.p_adjusted, 0.001):.3f}$"
+    return f"${d.mean:+.4f}$ [{d.low:+.4f}, {d.high:+.4f}]{p}" + ("$^*$" if d.significant else "")
 
 
 def _tex(text: str) -> str:
@@ -323,9 +328,36 @@ def within_markdown(rows: list[tuple[str, Summary, Summary, Summary]], first: st
     for name, a, b, d in rows:
         cells = [" ± ".join(x for x in _cell(s) if x) for s in (a, b)]
         lines.append(f"| {name} | {a.n} | {cells[0]} | {cells[1]} | {_delta(d)} |")
+    return "\n".join([*lines, "", _within_note(correction)]) + "\n"
+
+
+def _within_note(correction: str) -> str:
     p = "p: paired t-test, Holm-adjusted over the runs" if correction == "holm" else "p: paired t-test, unadjusted"
-    note = f"mean ± 95% interval over the seeds; the difference is paired by seed (the same runs); {p}; * = adjusted p < 0.05"
-    return "\n".join([*lines, "", note]) + "\n"
+    return f"mean ± 95% interval over the seeds; the difference is paired by seed (the same runs); {p}; * = adjusted p < 0.05"
+
+
+def within_csv(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str) -> str:
+    """One number per cell, unrounded: for a plotting or analysis script."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["run", "seeds", first, f"{first}_ci95", second, f"{second}_ci95", "difference",
+                     "difference_low", "difference_high", "p", "p_adjusted"])
+    for name, a, b, d in rows:
+        writer.writerow([name, a.n, *(f"{v:.10g}" for v in (a.mean, a.ci95, b.mean, b.ci95, d.mean, d.low, d.high,
+                                                                d.p, d.p_adjusted))])
+    return out.getvalue()
+
+
+def within_latex(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
+                 correction: str) -> str:
+    """A booktabs tabular of ``within_markdown``'s cells; needs ``\\usepackage{booktabs}``."""
+    lines = [r"\begin{tabular}{lcccc}", r"\toprule",
+             " & ".join(["run", "seeds", _tex(first), _tex(second), f"{_tex(first)} $-$ {_tex(second)}"]) + r" \\",
+             r"\midrule"]
+    for name, a, b, d in rows:
+        cells = ["$" + r" \pm ".join(x for x in _cell(s) if x) + "$" for s in (a, b)]
+        lines.append(" & ".join([_tex(name), str(a.n), *cells, _latex_delta(d)]) + r" \\")
+    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}", f"% {_within_note(correction)}"]) + "\n"
 
 
 def csv_text(table: Table) -> str:
@@ -368,7 +400,9 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
     if plot is not None:
         draw(client, table, metric, plot, study)
     if paired is not None:
-        out.write(within_markdown(within_runs(table, *paired), *paired, table.correction))
+        rows = within_runs(table, *paired)
+        out.write(within_csv(rows, *paired) if fmt == "csv" else within_latex(rows, *paired, table.correction)
+                  if fmt == "latex" else within_markdown(rows, *paired, table.correction))  # table: Markdown too
         return 0
     if fmt == "markdown":
         out.write(markdown(table))
