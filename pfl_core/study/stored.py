@@ -227,6 +227,11 @@ def _cell(s: Summary, digits: int = 4) -> tuple[str, str]:
     return f"{s.mean:.{digits}f}", ("" if s.n < 2 or math.isnan(s.ci95) else f"{s.ci95:.{digits}f}")
 
 
+def _mean_ci(s: Summary, pm: str) -> str:
+    """``mean ± ci`` (``pm`` between them), or the mean alone where there is no interval."""
+    return pm.join(x for x in _cell(s) if x)
+
+
 def _delta(d: Summary) -> str:
     if d.n < 2:
         return f"{d.mean:+.4f}"
@@ -326,8 +331,7 @@ def within_markdown(rows: list[tuple[str, Summary, Summary, Summary]], first: st
                     correction: str) -> str:
     lines = [f"| run | seeds | {first} | {second} | {first} - {second} |", "|---|---|---|---|---|"]
     for name, a, b, d in rows:
-        cells = [" ± ".join(x for x in _cell(s) if x) for s in (a, b)]
-        lines.append(f"| {name} | {a.n} | {cells[0]} | {cells[1]} | {_delta(d)} |")
+        lines.append(f"| {name} | {a.n} | {_mean_ci(a, ' ± ')} | {_mean_ci(b, ' ± ')} | {_delta(d)} |")
     return "\n".join([*lines, "", _within_note(correction)]) + "\n"
 
 
@@ -355,7 +359,7 @@ def within_latex(rows: list[tuple[str, Summary, Summary, Summary]], first: str, 
              " & ".join(["run", "seeds", _tex(first), _tex(second), f"{_tex(first)} $-$ {_tex(second)}"]) + r" \\",
              r"\midrule"]
     for name, a, b, d in rows:
-        cells = ["$" + r" \pm ".join(x for x in _cell(s) if x) + "$" for s in (a, b)]
+        cells = ["$" + _mean_ci(s, r" \pm ") + "$" for s in (a, b)]
         lines.append(" & ".join([_tex(name), str(a.n), *cells, _latex_delta(d)]) + r" \\")
     return "\n".join([*lines, r"\bottomrule", r"\end{tabular}", f"% {_within_note(correction)}"]) + "\n"
 
@@ -401,8 +405,12 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
         draw(client, table, metric, plot, study)
     if paired is not None:
         rows = within_runs(table, *paired)
-        out.write(within_csv(rows, *paired) if fmt == "csv" else within_latex(rows, *paired, table.correction)
-                  if fmt == "latex" else within_markdown(rows, *paired, table.correction))  # table: Markdown too
+        if fmt == "csv":
+            out.write(within_csv(rows, *paired))
+        elif fmt == "latex":
+            out.write(within_latex(rows, *paired, table.correction))
+        else:  # markdown, and the default table
+            out.write(within_markdown(rows, *paired, table.correction))
         return 0
     if fmt == "markdown":
         out.write(markdown(table))
