@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -337,3 +338,19 @@ def test_the_code_version_hashes_the_source_of_the_plugins_the_spec_names():
     fedavg = real_code_version(["fedavg"])
     assert fedavg == real_code_version(["fedavg", "fedavg"])  # repeats aside, the same
     assert fedavg["source_sha256"] != real_code_version(["ditto"])["source_sha256"]  # plugins/ is outside pfl_core
+
+
+def test_the_code_version_covers_all_of_pfl_core_and_the_named_plugins_only():
+    import pfl_core
+    from pfl_core.engine import engine
+    from pfl_core.registry import plugin_class
+    from pfl_core.state import provenance
+    from pfl_core.study import run
+
+    files = provenance.source_files(["ditto"])
+    for module in (engine, run, provenance, pfl_core):  # the engine and the study decide results too
+        assert Path(module.__file__).resolve() in files
+    ditto = Path(sys.modules[plugin_class("ditto").__module__].__file__).resolve()
+    fedprox = Path(sys.modules[plugin_class("fedprox").__module__].__file__).resolve()
+    assert ditto in files and fedprox not in files
+    assert len(files) == len(set(files)) and not any("__pycache__" in f.parts for f in files)

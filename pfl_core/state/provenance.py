@@ -9,6 +9,9 @@ import subprocess
 from pathlib import Path
 
 
+CORE = Path(__file__).resolve().parents[1]  # pfl_core/, not this module's own folder
+
+
 def _package_files(module_file: Path) -> list[Path]:
     """A plugin's source: its package's .py files when it is a package, else its one file."""
     if module_file.name == "__init__.py":
@@ -16,16 +19,14 @@ def _package_files(module_file: Path) -> list[Path]:
     return [module_file]
 
 
-def code_version(plugin_names: list[str]) -> dict[str, str]:
-    """pfl's version, the git commit of its checkout (if any; for information) and a SHA-256
-    over the source of ``pfl_core`` and of the plugins the spec names (what decides results)."""
+def source_files(plugin_names: list[str]) -> list[Path]:
+    """The files whose source decides a run's results: every module of ``pfl_core`` and of the
+    plugins the spec names that live outside it."""
     import sys
 
     from pfl_core import registry
-    from pfl_core._version import __version__
 
-    core = Path(__file__).resolve().parent
-    files = sorted(core.rglob("*.py"))
+    files = sorted(CORE.rglob("*.py"))
     for name in sorted(set(plugin_names)):
         try:
             module = sys.modules[registry.plugin_class(name).__module__]
@@ -33,16 +34,22 @@ def code_version(plugin_names: list[str]) -> dict[str, str]:
             continue
         if getattr(module, "__file__", None):
             path = Path(module.__file__).resolve()
-            if core not in path.parents:
+            if CORE not in path.parents:
                 files += _package_files(path)
+    return [path for path in files if "__pycache__" not in path.parts]
+
+
+def code_version(plugin_names: list[str]) -> dict[str, str]:
+    """pfl's version, the git commit of its checkout (if any; for information) and a SHA-256
+    over :func:`source_files` (what decides results)."""
+    from pfl_core._version import __version__
+
     sha = hashlib.sha256()
-    for path in files:
-        if "__pycache__" in path.parts:
-            continue
+    for path in source_files(plugin_names):
         sha.update(path.name.encode())
         sha.update(path.read_bytes())
     try:
-        done = subprocess.run(["git", "-C", str(core), "rev-parse", "HEAD"], capture_output=True, text=True,
+        done = subprocess.run(["git", "-C", str(CORE), "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=5)
         commit = done.stdout.strip() if done.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
