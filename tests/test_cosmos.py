@@ -4,6 +4,7 @@ which models are evaluated, bytes, the budget, heterogeneous clients, bad input,
 CIFAR-100 spec through pfl-run on a fake CIFAR-100 directory, and (GPU only) a CUDA run.
 COMET's own tests: tests/test_comet.py."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -271,9 +272,14 @@ def test_budget_declared_and_measured(name, params):
                  "training.local_epochs": 2, "algorithm.params": {**params, "pretrain_epochs": 3, "distill_epochs": 2}}
     budget = resolve(tiny_raw(**overrides)).as_dict["budget"]
     assert budget["private_epochs"] == 3 + 2 * 2 and budget["public_epochs"] == 2 * 2
-    result, _ = run_tiny(**overrides)  # |U| = 60 < distill_batch_size: one batch per epoch, no drop
+    result, engine = run_tiny(**overrides)  # |U| = 60 < distill_batch_size: one batch per epoch, no drop
     assert result.final["budget.private_epochs"] == pytest.approx(7)
     assert result.final["budget.public_epochs"] == pytest.approx(4)
+    # the steps: the distillation on U is public work, one batch an epoch; D_i's batches are private
+    batch = engine.ctx.spec.training.batch_size
+    per_client = [7 * math.ceil(c.num_train / batch) for c in engine.ctx.data.clients]
+    assert result.final["budget.public_steps"] == 4
+    assert result.final["budget.private_steps"] == pytest.approx(sum(per_client) / len(per_client))
 
 
 @pytest.mark.parametrize("name,params", [

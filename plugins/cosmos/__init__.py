@@ -192,7 +192,7 @@ class Cosmos(PublicPredictionMethod):
         return eq1_distill(model, client.optimizer(), ctx.data.public.x, targets, p, epochs=p.distill_epochs,
                            order=client.generator("distill"), augment=client.generator("augment"),
                            drop_last=ctx.spec.training.drop_last, counter=lambda n: client.count_work(public=n),
-                           take_batch=client.take_batch)
+                           take_batch=lambda: client.take_batch("public"))
 
     # -- server ---------------------------------------------------------------------
 
