@@ -202,7 +202,7 @@ def test_a_diverged_trial_fails_alone_and_counts_in_the_budget(tmp_path, monkeyp
     (parent,) = [r for r in runs_of(uri) if r.info.run_name == "fedavg (tuning)"]
     assert parent.data.metrics["trials_diverged"] == 1 and parent.data.params["best.training.lr"] in ("0.05", "0.01")
     # a resumed tuning counts the diverged trial as done: nothing runs again
-    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(out, "w"), resume_tuning=True)
+    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(out, "w"), resume=True)
     mlflow.set_tracking_uri(None)
     (again,) = trials_of(tmp_path / "optuna.db").values()
     assert len(again) == 3 and "tuned in 3 trials (0 pruned, 1 diverged)" in out.read_text()

@@ -47,10 +47,11 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
                         help="run a study of more than 100 runs (sweep points x seeds, references) without asking")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar, no loading line, no locations: only the run summaries and the comparison")
-    parser.add_argument("--resume", metavar="PATH_OR_RUN_ID", default=None, nargs="?", const=RESUME_TUNING,
+    parser.add_argument("--resume", metavar="PATH_OR_RUN_ID", default=None, nargs="?", const=RESUME_STUDY,
                         help="continue a run from its last good checkpoint (a checkpoint folder, or the MLflow run "
                              "id, in the same MLflow run); with SPEC, the spec must be the run's. SPEC --resume "
-                             "(no value): continue the spec's killed tuning ([tune]) without repeating a trial")
+                             "(no value): continue the spec's stopped study, keeping its finished tuning trials "
+                             "and final runs")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an internal error")
     parser.add_argument("--version", action="version", version=versions_line(prog))
     return parser
@@ -59,18 +60,18 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
 REPORT_TO = "please report it, with the command and the spec, to the pfl maintainers"
 
 
-RESUME_TUNING = "\0tuning"  # `--resume` given without a value
+RESUME_STUDY = "\0study"  # `--resume` given without a value
 
 
 def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
     parser = _run_parser(prog)
     args = parser.parse_args(argv)
-    if args.resume not in (None, RESUME_TUNING) and args.spec is None and args.resume.endswith(".toml"):
-        args.spec, args.resume = args.resume, RESUME_TUNING  # `pfl-run --resume SPEC.toml`: the same
-    resume_tuning = args.resume == RESUME_TUNING
-    if resume_tuning:
+    if args.resume not in (None, RESUME_STUDY) and args.spec is None and args.resume.endswith(".toml"):
+        args.spec, args.resume = args.resume, RESUME_STUDY  # `pfl-run --resume SPEC.toml`: the same
+    resume_study = args.resume == RESUME_STUDY
+    if resume_study:
         if args.spec is None:
-            parser.error("--resume without a run continues a spec's tuning: give the spec (pfl-run SPEC --resume)")
+            parser.error("--resume without a run continues a spec's stopped study: give the spec (pfl-run SPEC --resume)")
         args.resume = None
     if args.resume is None and args.spec is None:
         parser.error("the following arguments are required: spec")
@@ -94,7 +95,7 @@ def run_main(argv: Sequence[str] | None = None, prog: str = "pfl-run") -> int:
             results = run_spec_file(args.spec, args.overrides, dry_run=args.dry_run, tracking_uri=args.tracking_uri,
                                     no_tracking=args.no_tracking, quiet=args.quiet, sweeps=args.sweeps,
                                     no_sweep=args.no_sweep, out_dir=args.out, overwrite=args.overwrite,
-                                    clients=args.clients, yes=args.yes, resume_tuning=resume_tuning)
+                                    clients=args.clients, yes=args.yes, resume=resume_study)
     except PflError as exc:
         print(f"{prog}: error: {escape_newlines(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -114,6 +114,7 @@ class RunResult:
     # Failures after training (e.g. in cold-start evaluation): reported, the run's results kept.
     errors: list[str] = attrs.Factory(list)
     seconds: float = 0.0  # wall time of the whole run, data loading included
+    kept_from: str | None = None  # the stopped study's run it was copied from (pfl-run SPEC --resume)
 
 
 class Engine:

@@ -8,7 +8,8 @@ over seeds, the comparison tables and collaboration gains, the ``--out`` results
 - :mod:`~pfl_core.study.results`: the ``--out`` folder;
 - :mod:`~pfl_core.study.stats`: summaries over seeds and paired differences;
 - :mod:`~pfl_core.study.run`: ``run_spec_file``, the whole of ``pfl-run SPEC``;
-- :mod:`~pfl_core.study.resume`: ``resume_run``, the whole of ``pfl-run --resume``.
+- :mod:`~pfl_core.study.resume`: ``resume_run``, the whole of ``pfl-run --resume RUN``;
+- :mod:`~pfl_core.study.reuse`: the finished runs ``pfl-run SPEC --resume`` keeps.
 """
 
 from pfl_core.study.resume import resume_run

@@ -9,8 +9,8 @@ from pfl_core.engine import RunResult
 from pfl_core.study.compare import GAINS, comparisons
 from pfl_core.study.points import Point, PointResult, point_builds
 from pfl_core.study.stats import Summary
-from pfl_core.tracking.tracker import current_study
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds, warning_line
+from pfl_core.tracking.tracker import current_study
 
 
 def print_locations(point: Point, out_dir: str | None, out) -> None:
@@ -85,7 +85,8 @@ def run_summary(result: RunResult) -> str:
 
 
 def print_run_line(result: RunResult, name: str, out) -> None:
-    print(f"-- {name}: {run_summary(result)}", file=out)
+    kept = f"  (kept: run {result.kept_from} of a stopped study)" if result.kept_from else ""
+    print(f"-- {name}: {run_summary(result)}{kept}", file=out)
     for error in result.errors:
         print(f"-- {name}: error: {error}", file=out)
 

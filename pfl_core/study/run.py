@@ -22,6 +22,7 @@ from pfl_core.study.points import (
 )
 from pfl_core.study.report import dry_run_report, left_out_line, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
+from pfl_core.study.reuse import Reuse
 from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_study_figures, run_point
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
 from pfl_core.tracking.store_check import check_store
@@ -34,13 +35,14 @@ from pfl_core.tracking.tracker import current_study
 def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tracking_uri: str | None = None,
                   no_tracking: bool = False, quiet: bool = False, out=None, sweeps: list[str] = (),
                   no_sweep: bool = False, out_dir: str | None = None, overwrite: bool = False,
-                  clients: bool = False, yes: bool = False, resume_tuning: bool = False) -> list[PointResult]:
+                  clients: bool = False, yes: bool = False, resume: bool = False) -> list[PointResult]:
     """Run every point of the spec. ``out_dir``: also write the results there
     (:mod:`pfl_core.study.results`), after the spec validated; a failure part-way still writes what
     finished (and an ``INCOMPLETE`` file) before it propagates. A study of more than
     ``LARGE_STUDY`` runs needs ``yes`` (a dry run of one says its size first). With ``[tune]``
-    each point is first tuned (:mod:`pfl_core.study.tune`; ``resume_tuning``: continue the newest
-    tuning of this spec), then runs at its best configuration."""
+    each point is first tuned (:mod:`pfl_core.study.tune`), then runs at its best configuration.
+    ``resume``: continue a stopped study of this spec: its newest tuning's finished trials and its
+    finished final runs are kept (:mod:`pfl_core.study.reuse`)."""
 
     out = out or sys.stdout
     if no_tracking:
@@ -92,6 +94,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         for point, name in zip(points, names):
             results_dir.write_point(name, point.resolved.toml())
 
+    # the store's finished runs are looked up only where there is a store
+    reuse = Reuse() if resume and points[0].resolved.spec.tracking.enabled else None
     counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points]))
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
@@ -107,7 +111,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         if plans:  # each point at its own best configuration, found on the validation split
             cache = DataCache()
             for i, plan in enumerate(plans):
-                tuned = tune_point(plan, tracking_uri, quiet, resume_tuning, cache)
+                tuned = tune_point(plan, tracking_uri, quiet, resume, cache)
                 points[i] = tuned.point
                 diverged = f", {tuned.diverged} diverged" if tuned.diverged else ""
                 print(f"-- {plan.name}: tuned in {tuned.ran} trials ({tuned.pruned} pruned{diverged}): "
@@ -117,7 +121,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                     results_dir.write_tuned(names[i], tuned_spec_toml(tuned))
             del cache
         for label, ref in references:
-            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter))
+            ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter, reuse))
             print_point(ref_results[-1], out, clients)
         for point, name, reused in zip(points, names, reuses):
             if reused is not None:  # this sweep point is one of the reference runs: not run twice
@@ -125,7 +129,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 results.append(attrs.evolve(ref_results[reused], name=name))
             else:
                 try:
-                    results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter))
+                    results.append(run_point(point, name, tracking_uri, quiet, out, partial, counter, reuse))
                 except NonFiniteError as exc:  # that method's result, not the study's end
                     if name == compare_to:  # nothing left to compare with
                         raise

@@ -7,10 +7,11 @@ import math
 
 import attrs
 
-from pfl_core.engine import Engine, RunResult
+from pfl_core.engine import Engine, Resolved, RunResult
 from pfl_core.study.compare import GAINS, adjust_gains, comparisons, delta_metrics
 from pfl_core.study.points import Point, PointResult, _is_algorithm_key
 from pfl_core.study.report import COMPARED, print_run_line
+from pfl_core.study.reuse import Reuse
 from pfl_core.study.stats import Summary, paired_difference, summarize
 from pfl_core.tracking.tables import table_csv
 from pfl_core.tracking.tracker import flatten, log_accuracy_distribution, make_tracker, run_status
@@ -81,16 +82,16 @@ def log_differences(point: Point, results: list[PointResult], compare_to: str, t
 
 
 def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, out,
-              partial: list | None = None, counter: RunCounter | None = None) -> PointResult:
+              partial: list | None = None, counter: RunCounter | None = None, reuse: Reuse | None = None) -> PointResult:
     """Run one sweep point: a single run, or one child run per seed under a parent run that
-    holds the mean, std and 95% interval of every final metric."""
+    holds the mean, std and 95% interval of every final metric. ``reuse``: keep the runs a
+    stopped study finished (``pfl-run SPEC --resume``, :mod:`pfl_core.study.reuse`)."""
     spec = point.resolved.spec
     group = repr(sorted((k, v) for k, v in point.settings.items() if not _is_algorithm_key(k)))
     if not point.seeds:
         tracker = make_tracker(spec.tracking, tracking_uri)
         tracker.point_group = group
-        run = Engine(point.resolved, tracker=tracker, progress=not quiet, run_name=name,
-                     progress_label=counter.label(name) if counter else None).run()
+        run = run_or_keep(point.resolved, name, tracker, quiet, counter, reuse)
         return PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
                            run.run_id, spec.algorithm.name, group)
 
@@ -103,11 +104,10 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
     runs: list[RunResult] = []
     try:
         for seed in point.seeds:
-            child = make_tracker(spec.tracking, tracking_uri)
             label = f"{name} seed={seed}"
-            runs.append(Engine(point.for_seed(seed), tracker=child, progress=not quiet, run_name=label,
-                               progress_label=counter.label(label) if counter else None).run())
-            print_run_line(runs[-1], f"{name} seed={seed}", out)
+            runs.append(run_or_keep(point.for_seed(seed), label, make_tracker(spec.tracking, tracking_uri), quiet,
+                                    counter, reuse))
+            print_run_line(runs[-1], label, out)
         status = "FINISHED"
     except BaseException as exc:
         status = run_status(exc)  # KILLED on Ctrl-C / SIGTERM
@@ -121,6 +121,16 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
         if status != "FINISHED" and runs and partial is not None:
             partial.append(result)
     return result
+
+
+def run_or_keep(resolved: Resolved, name: str, tracker, quiet: bool, counter: RunCounter | None,
+                reuse: Reuse | None) -> RunResult:
+    """The run ``name``: the engine's, or with ``reuse`` a stopped study's finished one, copied."""
+    progress_label = counter.label(name) if counter else None
+    earlier = reuse.find(resolved, name) if reuse is not None else None
+    if earlier is not None:
+        return reuse.copy(earlier, resolved, name, tracker)
+    return Engine(resolved, tracker=tracker, progress=not quiet, run_name=name, progress_label=progress_label).run()
 
 
 def summarize_runs(runs: list[RunResult]) -> dict[str, Summary]:

@@ -29,7 +29,8 @@ MLflow: a parent run ``<point> (tuning)`` per point with one child run per trial
 ``best.<key>`` params, ``best_objective`` and ``tuned_spec.toml``. Optuna's study storage is
 ``optuna.db`` beside the MLflow store (the working directory without tracking). A killed tuning
 continues with ``pfl-run SPEC --resume``: the finished trials are kept (never run again), the
-interrupted one is marked failed and replaced; the final runs then run from the start.
+interrupted one is marked failed and replaced; the final runs that finished are kept
+(:mod:`pfl_core.study.reuse`).
 """
 
 from __future__ import annotations

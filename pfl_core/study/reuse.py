@@ -1,0 +1,179 @@
+"""``pfl-run SPEC --resume``: the final runs a stopped study finished are kept, not run again.
+
+A point's run (one seed of it, or its single run) is kept when an earlier run in the store, in
+the spec's experiment, has the same name (``<point> seed=<seed>``, or the point's name), ended
+FINISHED, is not a tuning trial, and its last checkpoint is the final round's and holds the same
+resolved spec (less the keys a resume may change, :data:`~pfl_core.state.provenance.FREE_KEYS`)
+written by the same pfl version. The checkpoint also holds the run's evaluation history, so the
+study's summaries and curves are the run's own.
+
+The kept run is copied into the continuing study (a new MLflow run under the point's parent,
+tagged ``pfl.reused_from``: its params, tags, the history of every metric and its artifacts): the
+stopped study keeps its runs as they were, and the new one holds all of its own. As ``--resume``
+keeps a killed tuning's trials, a run written by other code (the source of ``pfl_core`` or of the
+spec's plugins changed since) is kept too; one line says so, naming the commit it ran at.
+
+A run whose checkpoint is gone or was never written (``checkpoint.enabled = false``) cannot be
+checked against the spec and runs again, as does the run the stop interrupted (from its start).
+"""
+
+from __future__ import annotations
+
+import csv
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pfl_core.engine import Resolved, RunResult
+from pfl_core.errors import PflError
+from pfl_core.spec import tomllib
+from pfl_core.state import checkpoint, provenance
+from pfl_core.state.checkpoint import CHECKPOINT_TAG
+from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
+from pfl_core.tracking.terminal import warning_line
+from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG, current_study
+
+REUSED_TAG = "pfl.reused_from"  # the run a kept run was copied from
+TRIAL_TAG = "pfl.tune.trial"
+CLIENTS_TABLE = "results/clients.csv"
+# Tags that belong to a run's place (its study, parent, store) or are MLflow's own: the copy gets
+# its new ones from the tracker that starts it.
+PLACE_TAGS = (STUDY_TAG, POINT_TAG, GROUP_TAG, TRACKING_URI_TAG, PARENT_TAG)
+
+
+@attrs.define
+class Earlier:
+    """A finished run of a stopped study and its final checkpoint."""
+
+    run: Any  # mlflow.entities.Run
+    loaded: checkpoint.Loaded
+
+
+class Reuse:
+    """The finished runs of the store's earlier studies, found by name and checked against the
+    spec (see the module's text)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, dict[str, list]] = {}  # experiment -> run name -> runs, newest first
+        self._code: dict[tuple, str] = {}  # plugin names -> this code's source hash
+
+    def find(self, resolved: Resolved, name: str) -> Earlier | None:
+        spec = resolved.spec
+        wanted = provenance.compared(tomllib.loads(resolved.toml()))
+        for run in self._runs(spec.tracking.experiment or spec.experiment.name).get(name, []):
+            folder = run.data.tags.get(CHECKPOINT_TAG)
+            if not folder:
+                continue
+            try:
+                loaded = checkpoint.find(folder)
+            except PflError:  # its checkpoints were removed or are damaged: it runs again
+                continue
+            state = loaded.state
+            if (loaded.round == spec.experiment.rounds and state["code"]["pfl"] == self._version()
+                    and not provenance.spec_differences(provenance.compared(tomllib.loads(state["spec"])), wanted)):
+                return Earlier(run, loaded)
+        return None
+
+    def copy(self, earlier: Earlier, resolved: Resolved, name: str, tracker) -> RunResult:
+        """Start ``tracker``'s run (in the current study, under the active parent) as a copy of
+        ``earlier`` and return the run's result as the engine returned it."""
+        import mlflow
+
+        spec = resolved.spec
+        old = earlier.run
+        old_id = old.info.run_id
+        self._say_if_other_code(earlier, resolved, name)
+        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.") and k not in PLACE_TAGS}
+        tracker.start(spec.tracking.experiment or spec.experiment.name, name, dict(old.data.params),
+                      {**tags, REUSED_TAG: old_id})
+        new_id = tracker.run_id  # end() forgets it
+        status = "FAILED"
+        try:
+            client = mlflow.MlflowClient()
+            by_step: dict[int, dict[str, float]] = {}
+            for key in old.data.metrics:
+                for m in client.get_metric_history(old_id, key):
+                    by_step.setdefault(m.step, {})[key] = m.value
+            for step in sorted(by_step):
+                tracker.log_metrics(by_step[step], step)
+            with tempfile.TemporaryDirectory() as tmp:
+                local = Path(client.download_artifacts(old_id, "", tmp))
+                if any(local.iterdir()):
+                    client.log_artifacts(new_id, str(local))
+                rows = client_rows(earlier.loaded.state["rows"], local / CLIENTS_TABLE, spec.experiment.coldstart_clients)
+            status = "FINISHED"
+        finally:
+            tracker.end(status)
+        history = list(earlier.loaded.state["history"])
+        # The engine's final metrics: the last evaluation's, and what on_finish and the cold-start
+        # evaluation logged at the last round.
+        final = dict(by_step.get(spec.experiment.rounds, {}))
+        final.update({k: v for k, v in history[-1].items() if k != "round"} if history else {})
+        seconds = (old.info.end_time - old.info.start_time) / 1000 if old.info.end_time else 0.0
+        return RunResult(history=history, client_rows=rows, final=final, run_id=new_id, seconds=seconds,
+                         kept_from=old_id)
+
+    def _runs(self, experiment: str) -> dict[str, list]:
+        """The experiment's finished runs that are not tuning trials, by name, newest first;
+        read once (the runs this study finishes are not among them)."""
+        if experiment not in self._by_name:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            found = client.get_experiment_by_name(experiment)
+            runs = [] if found is None else client.search_runs(
+                [found.experiment_id], "attributes.status = 'FINISHED'", max_results=50000,
+                order_by=["attributes.start_time DESC"])
+            study = current_study()
+            by_name: dict[str, list] = {}
+            for run in runs:
+                if TRIAL_TAG in run.data.tags or (study is not None and run.data.tags.get(STUDY_TAG) == study.id):
+                    continue
+                by_name.setdefault(run.info.run_name, []).append(run)
+            self._by_name[experiment] = by_name
+        return self._by_name[experiment]
+
+    @staticmethod
+    def _version() -> str:
+        from pfl_core._version import __version__
+
+        return __version__
+
+    def _say_if_other_code(self, earlier: Earlier, resolved: Resolved, name: str) -> None:
+        names = tuple(provenance.plugin_names(resolved.spec))
+        if names not in self._code:
+            self._code[names] = provenance.code_version(list(names))["source_sha256"]
+        was = earlier.loaded.state["code"]
+        if was["source_sha256"] != self._code[names]:
+            commit = f", written at git commit {was['git_commit'][:12]}" if was.get("git_commit") else ""
+            warning_line(f"{name}: kept run {earlier.run.info.run_id} of a stopped study, which ran with other code "
+                         f"(the source of pfl_core or of the spec's plugins changed since{commit})")
+
+
+def client_rows(trained: list[dict], table: Path, coldstart: int) -> list[dict]:
+    """The engine's final client rows: the trained clients' from the checkpoint (exact) and, with
+    cold-start clients, theirs from the run's ``results/clients.csv`` (6 significant digits), each
+    value of the type the trained rows' has."""
+    rows = [dict(row) for row in trained]
+    if not coldstart:
+        return rows
+    like = rows[0] if rows else {}
+    with open(table, newline="") as handle:
+        held_out = [row for row in csv.DictReader(handle) if row.get("coldstart") == "True"]
+    if not held_out:  # the cold-start evaluation failed: the engine kept the trained rows alone
+        return rows
+    return ([{**row, "coldstart": False} for row in rows]
+            + [{key: _typed(text, like.get(key)) for key, text in row.items()} for row in held_out])
+
+
+def _typed(text: str, like):
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in ((type(like),) if isinstance(like, (int, float)) else (int, float)):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -1,0 +1,176 @@
+"""``pfl-run SPEC --resume`` keeps the final runs a stopped study finished: they are copied into
+the continuing study (never run again), which then holds the same numbers as a study that ran
+without a stop; a run of another spec, or one whose checkpoint is gone, runs again."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlflow
+import pytest
+import tomllib
+from mlflow.tracking import MlflowClient
+from test_cli import write_spec
+from tiny import tiny_raw
+
+from pfl_core.engine import engine as engine_module
+from pfl_core.state.checkpoint import CHECKPOINT_TAG
+from pfl_core.study import run_spec_file
+from pfl_core.study.reuse import REUSED_TAG, client_rows
+from pfl_core.study.stored import find, load, studies
+
+SEEDS = [0, 1, 2]
+
+
+def study_raw(**overrides):
+    return tiny_raw(**{"experiment.seeds": SEEDS, "tracking.enabled": True, "algorithm.name": "fedprox",
+                       "algorithm.params": {"mu": 0.01}, **overrides})
+
+
+class Stop(Exception):
+    pass
+
+
+def counting_runs(monkeypatch, stop_at: int | None = None) -> list[int]:
+    """Count Engine.run calls (the seeds each call ran); the ``stop_at``-th raises Stop."""
+    calls: list[int] = []
+    run = engine_module.Engine.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.resolved.spec.experiment.seed)
+        if stop_at is not None and len(calls) == stop_at:
+            raise Stop("the machine went away")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "run", counted)
+    return calls
+
+
+def run_study(spec, uri, tmp_path, resume=False, overrides=()):
+    out = tmp_path / "out.txt"
+    try:
+        with open(out, "w") as handle:
+            results = run_spec_file(spec, list(overrides), quiet=True, tracking_uri=uri, out=handle, resume=resume)
+    finally:
+        mlflow.set_tracking_uri(None)
+    return results, out.read_text()
+
+
+def seed_runs(uri, study_id):
+    client = MlflowClient(tracking_uri=uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    return {r.info.run_name: r for r in runs if r.data.tags.get("pfl.study") == study_id and "seed=" in r.info.run_name}
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    """The rows less their wall times (a run's own, never equal between two runs)."""
+    return [{k: v for k, v in row.items() if not k.endswith("_seconds")} for row in rows]
+
+
+@pytest.fixture(params=[0])
+def stopped(tmp_path, monkeypatch, request):
+    """A study stopped while its second seed ran: (spec, uri, the first seed's run); the
+    parameter: its cold-start clients."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = write_spec(tmp_path, study_raw(**{"experiment.coldstart_clients": request.param}))
+    counting_runs(monkeypatch, stop_at=2)
+    with pytest.raises(Stop):
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    (stopped_study,) = studies(MlflowClient(tracking_uri=uri))
+    runs = seed_runs(uri, stopped_study.id)
+    assert runs["fedprox seed=0"].info.status == "FINISHED"
+    return spec, uri, runs["fedprox seed=0"]
+
+
+@pytest.mark.parametrize("stopped", [0, 1], indirect=True, ids=["trained clients", "a cold-start client"])
+def test_a_resumed_study_keeps_the_finished_seed_and_equals_a_study_without_a_stop(stopped, tmp_path, monkeypatch):
+    spec, uri, first = stopped
+    calls = counting_runs(monkeypatch)
+    results, printed = run_study(spec, uri, tmp_path, resume=True)
+    assert calls == [1, 2]  # seed 0 was not run again
+    assert "fedprox seed=0: " in printed and f"(kept: run {first.info.run_id} of a stopped study)" in printed
+    (point,) = results
+    assert point.seeds == SEEDS
+
+    fresh_uri = f"sqlite:///{tmp_path / 'fresh.db'}"
+    (fresh,), _ = run_study(spec, fresh_uri, tmp_path)
+    assert calls == [1, 2, 0, 1, 2]
+    assert point.values("acc_mean") == fresh.values("acc_mean")  # the kept seed's result is the run's own
+    assert untimed(point.runs[0].history) == untimed(fresh.runs[0].history)
+    assert untimed([point.runs[0].final]) == untimed([fresh.runs[0].final])
+    kept_rows, fresh_rows = point.runs[0].client_rows, fresh.runs[0].client_rows
+    assert [list(r) for r in kept_rows] == [list(r) for r in fresh_rows]
+    for kept_row, fresh_row in zip(kept_rows, fresh_rows):  # cold-start rows come from a CSV of 6 digits
+        assert kept_row == {k: pytest.approx(v, rel=1e-5) if type(v) is float else v for k, v in fresh_row.items()}
+    with open(spec, "rb") as handle:  # the cold-start case holds a held-out client's row
+        assert any(r.get("coldstart") for r in kept_rows) == bool(tomllib.load(handle)["experiment"]["coldstart_clients"])
+    for key in ("acc_mean", "loss_mean"):
+        assert point.summary[key].mean == fresh.summary[key].mean and point.summary[key].ci95 == fresh.summary[key].ci95
+
+    # the store: the new study holds all three seeds; the kept one is a copy, the stopped study keeps its own
+    client = MlflowClient(tracking_uri=uri)
+    stopped_study, resumed = studies(client)
+    runs = seed_runs(uri, resumed.id)
+    copy = runs["fedprox seed=0"]
+    assert copy.info.run_id != first.info.run_id and copy.data.tags[REUSED_TAG] == first.info.run_id
+    assert copy.data.tags["mlflow.parentRunId"] == point.run_id
+    assert copy.data.params == first.data.params
+    for key in first.data.metrics:
+        old = [(m.step, m.value) for m in client.get_metric_history(first.info.run_id, key)]
+        assert sorted((m.step, m.value) for m in client.get_metric_history(copy.info.run_id, key)) == sorted(old)
+    assert client.list_artifacts(copy.info.run_id, "results") and \
+        {a.path for a in client.list_artifacts(copy.info.run_id, "results")} == \
+        {a.path for a in client.list_artifacts(first.info.run_id, "results")}
+    assert seed_runs(uri, stopped_study.id)["fedprox seed=0"].info.run_id == first.info.run_id
+    table = load(client, find(studies(client), "last"))
+    (stored,) = table.results
+    assert stored.seeds == SEEDS and stored.summary["acc_mean"].mean == pytest.approx(fresh.summary["acc_mean"].mean)
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_run_of_another_spec_is_not_kept(stopped, tmp_path, monkeypatch):
+    spec, uri, _ = stopped
+    calls = counting_runs(monkeypatch)
+    _, printed = run_study(spec, uri, tmp_path, resume=True, overrides=["algorithm.params.mu=0.02"])
+    assert calls == SEEDS and "kept" not in printed
+
+
+def test_a_run_whose_checkpoint_is_gone_runs_again(stopped, tmp_path, monkeypatch):
+    spec, uri, first = stopped
+    shutil.rmtree(first.data.tags[CHECKPOINT_TAG])
+    calls = counting_runs(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    assert calls == SEEDS
+
+
+def test_without_resume_every_run_runs_again(stopped, tmp_path, monkeypatch):
+    spec, uri, _ = stopped
+    calls = counting_runs(monkeypatch)
+    run_study(spec, uri, tmp_path)
+    assert calls == SEEDS
+
+
+def test_a_run_written_by_other_code_is_kept_and_said(stopped, tmp_path, monkeypatch, capsys):
+    spec, uri, first = stopped
+    from pfl_core.state import provenance
+
+    real = provenance.code_version
+    monkeypatch.setattr(provenance, "code_version", lambda names: {**real(names), "source_sha256": "changed"})
+    calls = counting_runs(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    assert calls == [1, 2]
+    err = capsys.readouterr().err
+    assert f"kept run {first.info.run_id} of a stopped study, which ran with other code" in err
+
+
+def test_cold_start_rows_are_read_back_with_the_trained_rows_types(tmp_path):
+    table = tmp_path / "clients.csv"
+    table.write_text("client,acc,coldstart\n0,0.5,False\n3,1,True\n")
+    trained = [{"client": 0, "acc": 0.5}]
+    assert client_rows(trained, table, coldstart=0) == trained
+    rows = client_rows(trained, table, coldstart=1)
+    assert rows == [{"client": 0, "acc": 0.5, "coldstart": False}, {"client": 3, "acc": 1.0, "coldstart": True}]
+    assert type(rows[1]["acc"]) is float and type(rows[1]["client"]) is int
