@@ -5,6 +5,7 @@ without a stop; a run of another spec, or one whose checkpoint is gone, runs aga
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -14,9 +15,9 @@ from test_cli import write_spec
 from tiny import tiny_raw
 
 from pfl_core.engine import engine as engine_module
-from pfl_core.state.checkpoint import CHECKPOINT_TAG
+from pfl_core.state.checkpoint import CHECKPOINT_TAG, RUN_FILE, checkpoints
 from pfl_core.study import run_spec_file
-from pfl_core.study.reuse import REUSED_TAG, client_rows
+from pfl_core.study.reuse import REUSED_TAG, Reuse, client_rows
 from pfl_core.study.stored import find, load, studies
 
 SEEDS = [0, 1, 2]
@@ -101,6 +102,7 @@ def test_a_resumed_study_keeps_the_finished_seed_and_equals_a_study_without_a_st
     assert point.values("acc_mean") == fresh.values("acc_mean")  # the kept seed's result is the run's own
     assert untimed(point.runs[0].history) == untimed(fresh.runs[0].history)
     assert untimed([point.runs[0].final]) == untimed([fresh.runs[0].final])
+    assert point.runs[0].seconds == pytest.approx((first.info.end_time - first.info.start_time) / 1000)
     kept_rows, fresh_rows = point.runs[0].client_rows, fresh.runs[0].client_rows
     assert [list(r) for r in kept_rows] == [list(r) for r in fresh_rows]
     for kept_row, fresh_row in zip(kept_rows, fresh_rows):  # cold-start rows come from a CSV of 6 digits
@@ -144,6 +146,41 @@ def test_a_run_whose_checkpoint_is_gone_runs_again(stopped, tmp_path, monkeypatc
     calls = counting_runs(monkeypatch)
     run_study(spec, uri, tmp_path, resume=True)
     assert calls == SEEDS
+
+
+def test_a_run_whose_final_checkpoint_is_damaged_runs_again(stopped, tmp_path, monkeypatch):
+    """Its previous checkpoint is good, but of an earlier round: not the run's end."""
+    spec, uri, first = stopped
+    folder = Path(first.data.tags[CHECKPOINT_TAG])
+    (checkpoints(folder)[0] / RUN_FILE).write_bytes(b"damaged")
+    assert checkpoints(folder)[1:], "the run keeps an earlier checkpoint"
+    calls = counting_runs(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    assert calls == SEEDS
+
+
+def test_a_run_of_another_pfl_version_runs_again(stopped, tmp_path, monkeypatch):
+    spec, uri, _ = stopped
+    monkeypatch.setattr(Reuse, "_version", staticmethod(lambda: "99.0"))
+    calls = counting_runs(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    assert calls == SEEDS
+
+
+def test_of_two_stopped_studies_the_newest_run_is_kept(stopped, tmp_path, monkeypatch):
+    spec, uri, first = stopped
+    counting_runs(monkeypatch, stop_at=2)
+    with pytest.raises(Stop):  # stopped again, started afresh (no --resume): a second seed 0
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    newest = seed_runs(uri, studies(client)[-1].id)["fedprox seed=0"]
+    assert newest.info.run_id != first.info.run_id
+    run_study(spec, uri, tmp_path, resume=True)
+    kept = seed_runs(uri, studies(client)[-1].id)["fedprox seed=0"]
+    assert kept.data.tags[REUSED_TAG] == newest.info.run_id
+    mlflow.set_tracking_uri(None)
 
 
 def test_without_resume_every_run_runs_again(stopped, tmp_path, monkeypatch):

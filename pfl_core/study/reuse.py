@@ -2,7 +2,7 @@
 
 A point's run (one seed of it, or its single run) is kept when an earlier run in the store, in
 the spec's experiment, has the same name (``<point> seed=<seed>``, or the point's name), ended
-FINISHED, is not a tuning trial, and its last checkpoint is the final round's and holds the same
+FINISHED, and its last good checkpoint is the final round's and holds the same
 resolved spec (less the keys a resume may change, :data:`~pfl_core.state.provenance.FREE_KEYS`)
 written by the same pfl version. The checkpoint also holds the run's evaluation history, so the
 study's summaries and curves are the run's own.
@@ -33,10 +33,9 @@ from pfl_core.state import checkpoint, provenance
 from pfl_core.state.checkpoint import CHECKPOINT_TAG
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.terminal import warning_line
-from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG, current_study
+from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG
 
 REUSED_TAG = "pfl.reused_from"  # the run a kept run was copied from
-TRIAL_TAG = "pfl.tune.trial"
 CLIENTS_TABLE = "results/clients.csv"
 # Tags that belong to a run's place (its study, parent, store) or are MLflow's own: the copy gets
 # its new ones from the tracker that starts it.
@@ -116,8 +115,8 @@ class Reuse:
                          kept_from=old_id)
 
     def _runs(self, experiment: str) -> dict[str, list]:
-        """The experiment's finished runs that are not tuning trials, by name, newest first;
-        read once (the runs this study finishes are not among them)."""
+        """The experiment's finished runs by name, newest first, read once: the runs this study
+        finishes are not among them (and no tuning trial has a final run's name)."""
         if experiment not in self._by_name:
             import mlflow
 
@@ -126,11 +125,8 @@ class Reuse:
             runs = [] if found is None else client.search_runs(
                 [found.experiment_id], "attributes.status = 'FINISHED'", max_results=50000,
                 order_by=["attributes.start_time DESC"])
-            study = current_study()
             by_name: dict[str, list] = {}
             for run in runs:
-                if TRIAL_TAG in run.data.tags or (study is not None and run.data.tags.get(STUDY_TAG) == study.id):
-                    continue
                 by_name.setdefault(run.info.run_name, []).append(run)
             self._by_name[experiment] = by_name
         return self._by_name[experiment]
