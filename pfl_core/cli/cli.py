@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from pfl_core.errors import Interrupted, PflError, defer_interrupt, note_signal
 
@@ -191,16 +191,16 @@ def plugins_main(name: str | None = None) -> int:
         return plugin_detail(name)
 
     rows = []
-    for name, entry in sorted(registry.discovered().items()):
+    for plugin, entry in sorted(registry.discovered().items()):
         try:
-            cls = registry.plugin_class(name)
+            cls = registry.plugin_class(plugin)
         except PflError as exc:
-            rows.append((name, "broken", entry.distribution, entry.version, str(exc)))
+            rows.append((plugin, "broken", entry.distribution, entry.version, str(exc)))
             continue
         hooks = registry.implemented_hooks(cls)
         provides = ", ".join(hooks) if hooks else {"dataset": "load", "model": "build",
                                                    "partitioner": "split"}.get(cls.kind, "")
-        rows.append((name, cls.kind, entry.distribution, entry.version, provides))
+        rows.append((plugin, cls.kind, entry.distribution, entry.version, provides))
     order = {kind: i for i, kind in enumerate(registry.KINDS)}
     rows.sort(key=lambda r: (order.get(r[1], 99), r[0]))
     header = ("name", "kind", "package", "version", "hooks")
