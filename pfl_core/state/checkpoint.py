@@ -254,6 +254,8 @@ class Checkpointer:
         if self.engine.tracker.run_id is not None:
             self.engine.tracker.set_tag(CHECKPOINT_TAG, str(self.folder.resolve()))
         self.tagged = True
+        # now, not in the first write: that write's time sets the checkpoint period
+        self.code = provenance.code_version(provenance.plugin_names(self.engine.spec))
 
     def after_round(self, ctx, round: int, history: list[dict], rows: list[dict]) -> None:
         """Round ``round`` is complete and its metrics are logged: write if it is due."""

@@ -4,10 +4,10 @@ resume may change."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import subprocess
 from pathlib import Path
-
 
 CORE = Path(__file__).resolve().parents[1]  # pfl_core/, not this module's own folder
 
@@ -41,11 +41,17 @@ def source_files(plugin_names: list[str]) -> list[Path]:
 
 def code_version(plugin_names: list[str]) -> dict[str, str]:
     """pfl's version, the git commit of its checkout (if any; for information) and a SHA-256
-    over :func:`source_files` (what decides results)."""
+    over :func:`source_files` (what decides results). Computed once per process and set of
+    plugins: the code a process runs is the code it loaded, whatever changes on disk later."""
+    return dict(_code_version(tuple(sorted(set(plugin_names)))))
+
+
+@functools.cache
+def _code_version(plugin_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     from pfl_core._version import __version__
 
     sha = hashlib.sha256()
-    for path in source_files(plugin_names):
+    for path in source_files(list(plugin_names)):
         sha.update(path.name.encode())
         sha.update(path.read_bytes())
     try:
@@ -54,7 +60,7 @@ def code_version(plugin_names: list[str]) -> dict[str, str]:
         commit = done.stdout.strip() if done.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"pfl": __version__, "source_sha256": sha.hexdigest(), "git_commit": commit}
+    return (("pfl", __version__), ("source_sha256", sha.hexdigest()), ("git_commit", commit))
 
 
 def plugin_names(spec) -> list[str]:
