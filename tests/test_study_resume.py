@@ -17,7 +17,7 @@ from tiny import tiny_raw
 from pfl_core.engine import engine as engine_module
 from pfl_core.state.checkpoint import CHECKPOINT_TAG, RUN_FILE, checkpoints
 from pfl_core.study import run_spec_file
-from pfl_core.study.reuse import REUSED_TAG, Reuse, client_rows
+from pfl_core.study.reuse import CONTINUED_TAG, REUSED_TAG, Reuse, client_rows
 from pfl_core.study.stored import find, load, studies
 
 SEEDS = [0, 1, 2]
@@ -211,3 +211,93 @@ def test_cold_start_rows_are_read_back_with_the_trained_rows_types(tmp_path):
     rows = client_rows(trained, table, coldstart=1)
     assert rows == [{"client": 0, "acc": 0.5, "coldstart": False}, {"client": 3, "acc": 1.0, "coldstart": True}]
     assert type(rows[1]["acc"]) is float and type(rows[1]["client"]) is int
+
+
+# -- the run the stop interrupted continues from its checkpoint ------------------------------------
+
+ROUNDS = 4
+STOP_ROUND = 3  # seed 1 stops in its round 3: its round-2 checkpoint holds rounds 1-2
+
+
+def counting_rounds(monkeypatch, stop: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Record (seed, round) of every round run; ``stop`` = (seed, round) raises Stop there."""
+    rounds: list[tuple[int, int]] = []
+    run_round = engine_module.Engine.run_round
+
+    def counted(self, ctx, round):
+        rounds.append((self.resolved.spec.experiment.seed, round))
+        if stop == rounds[-1]:
+            raise Stop("the machine went away mid-run")
+        return run_round(self, ctx, round)
+
+    monkeypatch.setattr(engine_module.Engine, "run_round", counted)
+    return rounds
+
+
+def test_the_interrupted_run_continues_from_its_checkpoint_as_a_run_never_stopped(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
+    counting_rounds(monkeypatch, stop=(1, STOP_ROUND))
+    with pytest.raises(Stop):
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    (stopped_study,) = studies(client)
+    interrupted = seed_runs(uri, stopped_study.id)["fedprox seed=1"]
+    assert interrupted.info.status == "FAILED"
+    old_folder = Path(interrupted.data.tags[CHECKPOINT_TAG])
+    old_checkpoints = sorted(p.name for p in old_folder.iterdir())
+
+    rounds = counting_rounds(monkeypatch)
+    (point,), _ = run_study(spec, uri, tmp_path, resume=True)
+    # seed 0 kept, seed 1 on from its round-2 checkpoint, seed 2 whole
+    assert rounds == [(1, 3), (1, 4), *[(2, r) for r in range(1, ROUNDS + 1)]]
+
+    fresh_uri = f"sqlite:///{tmp_path / 'fresh.db'}"
+    (fresh,), _ = run_study(spec, fresh_uri, tmp_path)
+    assert point.values("acc_mean") == fresh.values("acc_mean")
+    assert untimed(point.runs[1].history) == untimed(fresh.runs[1].history)
+    assert untimed([point.runs[1].final]) == untimed([fresh.runs[1].final])
+
+    resumed = studies(client)[1]
+    continued = seed_runs(uri, resumed.id)["fedprox seed=1"]
+    assert continued.info.status == "FINISHED" and continued.data.tags[CONTINUED_TAG] == interrupted.info.run_id
+    assert continued.data.tags["mlflow.parentRunId"] == point.run_id
+    fresh_client = MlflowClient(tracking_uri=fresh_uri)
+    fresh_run = seed_runs(fresh_uri, studies(fresh_client)[0].id)["fedprox seed=1"]
+    for key in ("acc_mean", "loss_mean", "train_loss_mean"):  # rounds 1-2 copied, 3-4 trained again
+        got = sorted((m.step, m.value) for m in client.get_metric_history(continued.info.run_id, key))
+        assert got == sorted((m.step, m.value) for m in fresh_client.get_metric_history(fresh_run.info.run_id, key))
+    # the new run has its own checkpoints; the interrupted run's are left as they were
+    new_folder = Path(continued.data.tags[CHECKPOINT_TAG])
+    assert new_folder != old_folder and checkpoints(new_folder)
+    assert sorted(p.name for p in old_folder.iterdir()) == old_checkpoints
+    assert client.get_run(interrupted.info.run_id).info.status == "FAILED"
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_finished_run_is_kept_before_a_newer_interrupted_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
+    counting_rounds(monkeypatch, stop=(1, 1))  # the first study: seed 0 finishes
+    with pytest.raises(Stop):
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    counting_rounds(monkeypatch, stop=(0, STOP_ROUND))  # the second, afresh: seed 0 interrupted
+    with pytest.raises(Stop):
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    first, second = studies(client)
+    finished = seed_runs(uri, first.id)["fedprox seed=0"]
+    assert seed_runs(uri, second.id)["fedprox seed=0"].info.status == "FAILED"
+    rounds = counting_rounds(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    kept = seed_runs(uri, studies(client)[-1].id)["fedprox seed=0"]
+    assert kept.data.tags.get(REUSED_TAG) == finished.info.run_id and CONTINUED_TAG not in kept.data.tags
+    assert all(seed != 0 for seed, _ in rounds)
+    mlflow.set_tracking_uri(None)

@@ -2,9 +2,9 @@
 
 A point's run (one seed of it, or its single run) is kept when an earlier run in the store, in
 the spec's experiment, has the same name (``<point> seed=<seed>``, or the point's name), ended
-FINISHED, and its last good checkpoint is the final round's and holds the same
-resolved spec (less the keys a resume may change, :data:`~pfl_core.state.provenance.FREE_KEYS`)
-written by the same pfl version. The checkpoint also holds the run's evaluation history, so the
+FINISHED, and its last good checkpoint is the final round's and holds the same resolved spec
+(less the keys a resume may change, :data:`~pfl_core.state.provenance.FREE_KEYS`) written by the
+same pfl version. The checkpoint also holds the run's evaluation history, so the
 study's summaries and curves are the run's own.
 
 The kept run is copied into the continuing study (a new MLflow run under the point's parent,
@@ -13,20 +13,26 @@ stopped study keeps its runs as they were, and the new one holds all of its own.
 keeps a killed tuning's trials, a run written by other code (the source of ``pfl_core`` or of the
 spec's plugins changed since) is kept too; one line says so, naming the commit it ran at.
 
-A run whose checkpoint is gone or was never written (``checkpoint.enabled = false``) cannot be
-checked against the spec and runs again, as does the run the stop interrupted (from its start).
+A run the stop interrupted (not FINISHED) whose latest good checkpoint holds the same spec and
+pfl version continues from that checkpoint as a new run of the continuing study,
+tagged ``pfl.continued_from``: its metrics up to the checkpoint are copied, the checkpoint is
+copied into the new run's own folder, and the engine resumes from it, so the run ends as it
+would have without the stop. A run whose checkpoint is gone or was never written
+(``checkpoint.enabled = false``) cannot be checked against the spec and runs again from its
+start.
 """
 
 from __future__ import annotations
 
 import csv
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from pfl_core.engine import Resolved, RunResult
+from pfl_core.engine import Engine, Resolved, RunResult
 from pfl_core.errors import PflError
 from pfl_core.spec import tomllib
 from pfl_core.state import checkpoint, provenance
@@ -36,6 +42,7 @@ from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG
 
 REUSED_TAG = "pfl.reused_from"  # the run a kept run was copied from
+CONTINUED_TAG = "pfl.continued_from"  # the interrupted run a run continues
 CLIENTS_TABLE = "results/clients.csv"
 # Tags that belong to a run's place (its study, parent, store) or are MLflow's own: the copy gets
 # its new ones from the tracker that starts it.
@@ -44,10 +51,15 @@ PLACE_TAGS = (STUDY_TAG, POINT_TAG, GROUP_TAG, TRACKING_URI_TAG, PARENT_TAG)
 
 @attrs.define
 class Earlier:
-    """A finished run of a stopped study and its final checkpoint."""
+    """A run of a stopped study and its latest good checkpoint: the final one of a finished run,
+    or the one an interrupted run continues from."""
 
     run: Any  # mlflow.entities.Run
     loaded: checkpoint.Loaded
+
+    @property
+    def finished(self) -> bool:
+        return self.run.info.status == "FINISHED"
 
 
 class Reuse:
@@ -59,44 +71,40 @@ class Reuse:
         self._code: dict[tuple, str] = {}  # plugin names -> this code's source hash
 
     def find(self, resolved: Resolved, name: str) -> Earlier | None:
+        """The newest finished run of this name to keep, else the newest interrupted one to
+        continue; None: the run runs from its start."""
         spec = resolved.spec
         wanted = provenance.compared(tomllib.loads(resolved.toml()))
-        for run in self._runs(spec.tracking.experiment or spec.experiment.name).get(name, []):
-            folder = run.data.tags.get(CHECKPOINT_TAG)
-            if not folder:
-                continue
-            try:
-                loaded = checkpoint.find(folder)
-            except PflError:  # its checkpoints were removed or are damaged: it runs again
-                continue
-            state = loaded.state
-            if (loaded.round == spec.experiment.rounds and state["code"]["pfl"] == self._version()
-                    and not provenance.spec_differences(provenance.compared(tomllib.loads(state["spec"])), wanted)):
-                return Earlier(run, loaded)
+        runs = self._runs(spec.tracking.experiment or spec.experiment.name).get(name, [])
+        for finished in (True, False):
+            for run in runs:
+                if (run.info.status == "FINISHED") != finished:
+                    continue
+                folder = run.data.tags.get(CHECKPOINT_TAG)
+                if not folder:
+                    continue
+                try:
+                    loaded = checkpoint.find(folder)
+                except PflError:  # its checkpoints were removed or are damaged
+                    continue
+                state = loaded.state
+                if ((loaded.round == spec.experiment.rounds or not finished) and state["code"]["pfl"] == self._version()
+                        and not provenance.spec_differences(provenance.compared(tomllib.loads(state["spec"])), wanted)):
+                    return Earlier(run, loaded)
         return None
 
     def copy(self, earlier: Earlier, resolved: Resolved, name: str, tracker) -> RunResult:
-        """Start ``tracker``'s run (in the current study, under the active parent) as a copy of
-        ``earlier`` and return the run's result as the engine returned it."""
+        """Start ``tracker``'s run as a copy of the finished run ``earlier`` (its artifacts too)
+        and return the run's result as the engine returned it."""
         import mlflow
 
         spec = resolved.spec
         old = earlier.run
         old_id = old.info.run_id
-        self._say_if_other_code(earlier, resolved, name)
-        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.") and k not in PLACE_TAGS}
-        tracker.start(spec.tracking.experiment or spec.experiment.name, name, dict(old.data.params),
-                      {**tags, REUSED_TAG: old_id})
-        new_id = tracker.run_id  # end() forgets it
+        new_id, by_step = self._start_copy(earlier, resolved, name, tracker, REUSED_TAG)
         status = "FAILED"
         try:
             client = mlflow.MlflowClient()
-            by_step: dict[int, dict[str, float]] = {}
-            for key in old.data.metrics:
-                for m in client.get_metric_history(old_id, key):
-                    by_step.setdefault(m.step, {})[key] = m.value
-            for step in sorted(by_step):
-                tracker.log_metrics(by_step[step], step)
             with tempfile.TemporaryDirectory() as tmp:
                 local = Path(client.download_artifacts(old_id, "", tmp))
                 if any(local.iterdir()):
@@ -114,17 +122,65 @@ class Reuse:
         return RunResult(history=history, client_rows=rows, final=final, run_id=new_id, seconds=seconds,
                          kept_from=old_id)
 
+    def resume(self, earlier: Earlier, resolved: Resolved, name: str, tracker, quiet: bool,
+               progress_label: str | None) -> RunResult:
+        """Start ``tracker``'s run as the continuation of the interrupted run ``earlier``: its
+        metrics up to its checkpoint, that checkpoint copied into the new run's own folder, and
+        the engine resumed from it (``pfl-run --resume RUN``'s path, in the new run)."""
+        spec = resolved.spec
+        last = earlier.loaded.round
+        new_id, _ = self._start_copy(earlier, resolved, name, tracker, CONTINUED_TAG, up_to=last)
+        try:
+            folder = checkpoint.run_folder(spec, new_id, name, checkpoint.tracking_uri_of(tracker))
+            # its first checkpoint write tags the run with this folder; until then the copied tag
+            # names the interrupted run's, which holds the same checkpoint
+            shutil.copytree(earlier.loaded.path, folder / earlier.loaded.path.name)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
+        tracker.end("KILLED")  # until the engine reopens it, below
+        loaded = checkpoint.find(folder)
+        loaded.state["run_id"] = new_id  # the engine continues this run, not the stopped one
+        return Engine(resolved, tracker=tracker, progress=not quiet, run_name=name,
+                      progress_label=progress_label).run(resume=loaded)
+
+    def _start_copy(self, earlier: Earlier, resolved: Resolved, name: str, tracker, tag: str,
+                    up_to: int | None = None) -> tuple[str, dict[int, dict[str, float]]]:
+        """Start ``tracker``'s run (in the current study, under the active parent) with
+        ``earlier``'s params and own tags, ``tag`` naming it, and its metrics' history (up to
+        step ``up_to``); returns the new run's id and that history by step."""
+        import mlflow
+
+        spec = resolved.spec
+        old = earlier.run
+        self._say_if_other_code(earlier, resolved, name)
+        tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.") and k not in PLACE_TAGS}
+        tracker.start(spec.tracking.experiment or spec.experiment.name, name, dict(old.data.params),
+                      {**tags, tag: old.info.run_id})
+        try:
+            client = mlflow.MlflowClient()
+            by_step: dict[int, dict[str, float]] = {}
+            for key in old.data.metrics:
+                for m in client.get_metric_history(old.info.run_id, key):
+                    if up_to is None or m.step <= up_to:
+                        by_step.setdefault(m.step, {})[key] = m.value
+            for step in sorted(by_step):
+                tracker.log_metrics(by_step[step], step)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
+        return tracker.run_id, by_step
+
     def _runs(self, experiment: str) -> dict[str, list]:
-        """The experiment's finished runs by name, newest first, read once: the runs this study
-        finishes are not among them (and no tuning trial has a final run's name)."""
+        """The experiment's runs by name, newest first, read once: the runs this study starts
+        are not among them (and no tuning trial has a final run's name)."""
         if experiment not in self._by_name:
             import mlflow
 
             client = mlflow.MlflowClient()
             found = client.get_experiment_by_name(experiment)
             runs = [] if found is None else client.search_runs(
-                [found.experiment_id], "attributes.status = 'FINISHED'", max_results=50000,
-                order_by=["attributes.start_time DESC"])
+                [found.experiment_id], "", max_results=50000, order_by=["attributes.start_time DESC"])
             by_name: dict[str, list] = {}
             for run in runs:
                 by_name.setdefault(run.info.run_name, []).append(run)

@@ -125,11 +125,14 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
 
 def run_or_keep(resolved: Resolved, name: str, tracker, quiet: bool, counter: RunCounter | None,
                 reuse: Reuse | None) -> RunResult:
-    """The run ``name``: the engine's, or with ``reuse`` a stopped study's finished one, copied."""
+    """The run ``name``: the engine's, or with ``reuse`` a stopped study's finished one, copied,
+    or its interrupted one, continued."""
     progress_label = counter.label(name) if counter else None
     earlier = reuse.find(resolved, name) if reuse is not None else None
-    if earlier is not None:
+    if earlier is not None and earlier.finished:
         return reuse.copy(earlier, resolved, name, tracker)
+    if earlier is not None:  # the run the stop interrupted: on from its checkpoint
+        return reuse.resume(earlier, resolved, name, tracker, quiet, progress_label)
     return Engine(resolved, tracker=tracker, progress=not quiet, run_name=name, progress_label=progress_label).run()
 
 

@@ -221,7 +221,8 @@ class MlflowTracker(NullTracker):
         mlflow = self.mlflow
         try:
             with journal.short_http(), deferred_interrupts():
-                run = mlflow.start_run(run_id=run_id)
+                # nested under an active run: a study's interrupted run continued in its new study
+                run = mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None)
                 client = mlflow.MlflowClient()
                 self.logged = {(key, m.step) for key in run.data.metrics
                                for m in client.get_metric_history(run_id, key)}
