@@ -301,3 +301,24 @@ def test_a_finished_run_is_kept_before_a_newer_interrupted_one(tmp_path, monkeyp
     assert kept.data.tags.get(REUSED_TAG) == finished.info.run_id and CONTINUED_TAG not in kept.data.tags
     assert all(seed != 0 for seed, _ in rounds)
     mlflow.set_tracking_uri(None)
+
+
+def test_an_interrupted_run_of_other_code_runs_again_from_its_start(tmp_path, monkeypatch):
+    """One run, one code: as --resume RUN refuses, the continuation does not mix two."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
+    counting_rounds(monkeypatch, stop=(1, STOP_ROUND))
+    with pytest.raises(Stop):
+        run_study(spec, uri, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    from pfl_core.state import provenance
+
+    real = provenance.code_version
+    monkeypatch.setattr(provenance, "code_version", lambda names: {**real(names), "source_sha256": "changed"})
+    rounds = counting_rounds(monkeypatch)
+    run_study(spec, uri, tmp_path, resume=True)
+    assert [r for seed, r in rounds if seed == 1] == list(range(1, ROUNDS + 1))
+    assert not [seed for seed, _ in rounds if seed == 0]  # the finished seed is still kept
+    mlflow.set_tracking_uri(None)

@@ -14,7 +14,8 @@ keeps a killed tuning's trials, a run written by other code (the source of ``pfl
 spec's plugins changed since) is kept too; one line says so, naming the commit it ran at.
 
 A run the stop interrupted (not FINISHED) whose latest good checkpoint holds the same spec and
-pfl version continues from that checkpoint as a new run of the continuing study,
+was written by the same code (as ``--resume RUN`` requires: one run, one code) continues from
+that checkpoint as a new run of the continuing study,
 tagged ``pfl.continued_from``: its metrics up to the checkpoint are copied, the checkpoint is
 copied into the new run's own folder, and the engine resumes from it, so the run ends as it
 would have without the stop. A run whose checkpoint is gone or was never written
@@ -68,7 +69,6 @@ class Reuse:
 
     def __init__(self) -> None:
         self._by_name: dict[str, dict[str, list]] = {}  # experiment -> run name -> runs, newest first
-        self._code: dict[tuple, str] = {}  # plugin names -> this code's source hash
 
     def find(self, resolved: Resolved, name: str) -> Earlier | None:
         """The newest finished run of this name to keep, else the newest interrupted one to
@@ -88,9 +88,12 @@ class Reuse:
                 except PflError:  # its checkpoints were removed or are damaged
                     continue
                 state = loaded.state
-                if ((loaded.round == spec.experiment.rounds or not finished) and state["code"]["pfl"] == self._version()
+                earlier = Earlier(run, loaded)
+                # an interrupted run goes on with the code it started with, as --resume RUN does
+                if ((loaded.round == spec.experiment.rounds if finished else not self._other_code(earlier, resolved))
+                        and state["code"]["pfl"] == self._version()
                         and not provenance.spec_differences(provenance.compared(tomllib.loads(state["spec"])), wanted)):
-                    return Earlier(run, loaded)
+                    return earlier
         return None
 
     def copy(self, earlier: Earlier, resolved: Resolved, name: str, tracker) -> RunResult:
@@ -193,12 +196,16 @@ class Reuse:
 
         return __version__
 
+    @staticmethod
+    def _other_code(earlier: Earlier, resolved: Resolved) -> bool:
+        """Whether ``earlier`` ran with a source of pfl_core or of the spec's plugins other than
+        this process's."""
+        now = provenance.code_version(provenance.plugin_names(resolved.spec))
+        return earlier.loaded.state["code"]["source_sha256"] != now["source_sha256"]
+
     def _say_if_other_code(self, earlier: Earlier, resolved: Resolved, name: str) -> None:
-        names = tuple(provenance.plugin_names(resolved.spec))
-        if names not in self._code:
-            self._code[names] = provenance.code_version(list(names))["source_sha256"]
-        was = earlier.loaded.state["code"]
-        if was["source_sha256"] != self._code[names]:
+        if self._other_code(earlier, resolved):
+            was = earlier.loaded.state["code"]
             commit = f", written at git commit {was['git_commit'][:12]}" if was.get("git_commit") else ""
             warning_line(f"{name}: kept run {earlier.run.info.run_id} of a stopped study, which ran with other code "
                          f"(the source of pfl_core or of the spec's plugins changed since{commit})")
