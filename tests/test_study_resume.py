@@ -234,7 +234,9 @@ def counting_rounds(monkeypatch, stop: tuple[int, int] | None = None) -> list[tu
     return rounds
 
 
-def test_the_interrupted_run_continues_from_its_checkpoint_as_a_run_never_stopped(tmp_path, monkeypatch):
+@pytest.fixture
+def interrupted_mid_run(tmp_path, monkeypatch):
+    """A study stopped in seed 1's round 3 (a checkpoint every round): (spec, uri)."""
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
@@ -243,6 +245,12 @@ def test_the_interrupted_run_continues_from_its_checkpoint_as_a_run_never_stoppe
         run_study(spec, uri, tmp_path)
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
+    return spec, uri
+
+
+def test_the_interrupted_run_continues_from_its_checkpoint_as_a_run_never_stopped(interrupted_mid_run, tmp_path,
+                                                                                  monkeypatch):
+    spec, uri = interrupted_mid_run
     client = MlflowClient(tracking_uri=uri)
     (stopped_study,) = studies(client)
     interrupted = seed_runs(uri, stopped_study.id)["fedprox seed=1"]
@@ -303,16 +311,9 @@ def test_a_finished_run_is_kept_before_a_newer_interrupted_one(tmp_path, monkeyp
     mlflow.set_tracking_uri(None)
 
 
-def test_an_interrupted_run_of_other_code_runs_again_from_its_start(tmp_path, monkeypatch):
+def test_an_interrupted_run_of_other_code_runs_again_from_its_start(interrupted_mid_run, tmp_path, monkeypatch):
     """One run, one code: as --resume RUN refuses, the continuation does not mix two."""
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
-    counting_rounds(monkeypatch, stop=(1, STOP_ROUND))
-    with pytest.raises(Stop):
-        run_study(spec, uri, tmp_path)
-    monkeypatch.undo()
-    monkeypatch.chdir(tmp_path)
+    spec, uri = interrupted_mid_run
     from pfl_core.state import provenance
 
     real = provenance.code_version
