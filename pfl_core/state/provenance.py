@@ -47,7 +47,7 @@ def code_version(plugin_names: list[str]) -> dict[str, str]:
 
 
 @functools.cache
-def _code_version(plugin_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+def _code_version(plugin_names: tuple[str, ...]) -> dict[str, str]:
     from pfl_core._version import __version__
 
     sha = hashlib.sha256()
@@ -60,7 +60,7 @@ def _code_version(plugin_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         commit = done.stdout.strip() if done.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return (("pfl", __version__), ("source_sha256", sha.hexdigest()), ("git_commit", commit))
+    return {"pfl": __version__, "source_sha256": sha.hexdigest(), "git_commit": commit}
 
 
 def plugin_names(spec) -> list[str]:
@@ -87,6 +87,14 @@ def spec_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 # Keys a resume may change: where and how often checkpoints are written, the progress line.
 FREE_KEYS = ("checkpoint", "tracking.progress")
+
+
+def differing_keys(saved: dict, resolved) -> list[str]:
+    """The dotted keys where a checkpoint's spec (``saved``, as parsed from its TOML) and the
+    ``resolved`` spec differ, less the keys a resume may change."""
+    from pfl_core.spec import tomllib
+
+    return spec_differences(compared(saved), compared(tomllib.loads(resolved.toml())))
 
 
 def compared(as_dict: dict) -> dict:

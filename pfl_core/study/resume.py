@@ -40,8 +40,7 @@ def resume_run(target: str, spec_path: str | None, overrides: list[str], *, trac
     candidates = []
     for point in resolve_points(raw, overrides):
         candidates += [point.for_seed(s) for s in point.seeds] if point.seeds else [point.resolved]
-    differences = [provenance.spec_differences(provenance.compared(saved),
-                                               provenance.compared(load_toml_text(c.toml()))) for c in candidates]
+    differences = [provenance.differing_keys(saved, c) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: len(differences[i]))
     if differences[best]:
         keys = differences[best]

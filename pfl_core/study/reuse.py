@@ -74,7 +74,6 @@ class Reuse:
         """The newest finished run of this name to keep, else the newest interrupted one to
         continue; None: the run runs from its start."""
         spec = resolved.spec
-        wanted = provenance.compared(tomllib.loads(resolved.toml()))
         runs = self._runs(spec.tracking.experiment or spec.experiment.name).get(name, [])
         for finished in (True, False):
             for run in runs:
@@ -92,7 +91,7 @@ class Reuse:
                 # an interrupted run goes on with the code it started with, as --resume RUN does
                 if ((loaded.round == spec.experiment.rounds if finished else not self._other_code(earlier, resolved))
                         and state["code"]["pfl"] == self._version()
-                        and not provenance.spec_differences(provenance.compared(tomllib.loads(state["spec"])), wanted)):
+                        and not provenance.differing_keys(tomllib.loads(state["spec"]), resolved)):
                     return earlier
         return None
 
@@ -104,6 +103,7 @@ class Reuse:
         spec = resolved.spec
         old = earlier.run
         old_id = old.info.run_id
+        self._say_if_other_code(earlier, resolved, name)
         new_id, by_step = self._start_copy(earlier, resolved, name, tracker, REUSED_TAG)
         status = "FAILED"
         try:
@@ -156,7 +156,6 @@ class Reuse:
 
         spec = resolved.spec
         old = earlier.run
-        self._say_if_other_code(earlier, resolved, name)
         tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.") and k not in PLACE_TAGS}
         tracker.start(spec.tracking.experiment or spec.experiment.name, name, dict(old.data.params),
                       {**tags, tag: old.info.run_id})
