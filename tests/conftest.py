@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import skip_policy
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -33,3 +34,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(requires_cuda)
+
+
+def pytest_configure(config):
+    skip_policy.install(config)  # a skip for a missing core dependency fails the run

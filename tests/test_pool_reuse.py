@@ -16,8 +16,6 @@ from pfl_core.execution import process
 from pfl_core.study import tune
 from pfl_core.study.points import resolve_points
 
-pytest.importorskip("optuna")
-
 
 def _spec():
     return resolve(tune_raw(sweep=None, public={"size": 30})).spec  # a public set: its parts are data too

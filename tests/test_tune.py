@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import mlflow
+import optuna
 import pytest
 import tomllib
 from mlflow.tracking import MlflowClient
@@ -20,8 +21,6 @@ from pfl_core.data.cache import DataCache
 from pfl_core.engine import Engine, resolve
 from pfl_core.study import run_spec_file
 
-pytest.importorskip("optuna")
-import optuna  # noqa: E402
 
 
 def tune_raw(trials=4, space=None, method=None, sweep=("fedavg", "fedprox"), **overrides):

@@ -363,17 +363,11 @@ def versions_line(prog: str) -> str:
     """``pfl-run 0.2.0 (torch 2.14.1, torchvision 0.29.1, mlflow 3.17.2, Python 3.11.7)``: what a
     bug report needs, read from the installed distributions' metadata (nothing imported)."""
     import platform
-    from importlib import metadata
 
-    from pfl_core._version import __version__
+    from pfl_core._version import __version__, installed_version
 
-    def installed(name: str) -> str:
-        try:
-            return f"{name} {metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            return f"{name} not installed"
-
-    others = ", ".join(installed(name) for name in ("torch", "torchvision", "mlflow"))
+    others = ", ".join(f"{name} {installed_version(name) or 'not installed'}"
+                       for name in ("torch", "torchvision", "mlflow"))
     return f"{prog} {__version__} ({others}, Python {platform.python_version()})"
 
 

@@ -81,7 +81,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
     top_level = len(references) + len(own_points)
     begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
-                tracking_uri, *study_params(points), parent=top_level > 1)
+                tracking_uri, *study_params(points), parent=top_level > 1, tuned=bool(plans))
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
     correction = points[0].resolved.spec.report.correction
     results_dir = None

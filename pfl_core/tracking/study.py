@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pfl_core._version import TUNING_PACKAGES, version_tags
 from pfl_core.tracking.tracker import (
     _STUDY,
     GIT_TAGS,
@@ -37,6 +38,7 @@ class Study:
     started: float = field(default_factory=time.time)
     parent: Any = None  # the study's parent run's tracker, once begun
     pending: tuple | None = None  # begin_study's arguments until the first run starts
+    tuned: bool = False  # a [tune] study: its runs also record optuna's version
 
     def begin(self) -> None:
         """Start the parent run begin_study asked for (when the first run starts, so a failure
@@ -79,6 +81,8 @@ class Study:
 
     def tags(self) -> dict[str, str]:
         out = {STUDY_TAG: self.id, **self.git}
+        if self.tuned:  # the tuning's sampler decides the hyperparameters every run of it uses
+            out.update(version_tags(TUNING_PACKAGES))
         if self.note:
             out[NOTE_TAG] = self.note
         return out
@@ -114,7 +118,7 @@ def studied(run_spec_file):
 
 
 def begin_study(path: str, description: str, section, uri_override: str | None, experiment: str,
-                params: dict[str, str], tags: dict[str, str], parent: bool) -> None:
+                params: dict[str, str], tags: dict[str, str], parent: bool, tuned: bool = False) -> None:
     """Fill in the current study from the validated spec (its note and git state) and, when
     ``parent`` (more than one top-level run), start its parent run."""
     study = current_study()
@@ -122,6 +126,7 @@ def begin_study(path: str, description: str, section, uri_override: str | None, 
         return
     study.note = description.strip() or (spec_header(path) if path else "")
     study.git = git_tags(Path(path).resolve().parent) if path else {}
+    study.tuned = tuned
     if parent:
         study.pending = (section, uri_override, experiment, params, tags)
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pfl_core._version import version_tags
 from pfl_core.errors import PflError, Stopped, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for
 from pfl_core.tracking import journal
@@ -168,7 +169,7 @@ class MlflowTracker(NullTracker):
         if self.study is not None and self.study.pending is not None:
             self.study.begin()  # the study's parent first: this run nests under it
         uri = mlflow.get_tracking_uri()
-        context = {TRACKING_URI_TAG: uri}
+        context = {TRACKING_URI_TAG: uri, **version_tags()}
         if self.study is not None:
             context.update(self.study.tags())
             if self.point_group is not None:
