@@ -4,6 +4,8 @@ the run; items and results pickled with CPU tensors as raw bytes."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import io
 import itertools
 import multiprocessing
@@ -13,6 +15,7 @@ import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -59,8 +62,29 @@ def _die_with_parent() -> None:
         pass
 
 
+# A pool's workers fork with the parent's signal handlers (the command line's: raise Interrupted),
+# and the pool SIGTERMs its workers when it breaks: each one printed that Interrupted's traceback.
+# So the parent holds these signals while it forks (``_signals_held``), and a worker takes them
+# back only once it has its own handlers.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Inside: SIGINT and SIGTERM wait (this thread blocks them), so a worker forked here starts
+    with them held; the parent takes any that came once the block ends."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _init_worker(threads: int, parent: int, running) -> None:
     global _running, _slot
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stopped by the pool: end at once, print nothing
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # held since the fork
     _running = running  # this pool's slot array
     with running.get_lock():  # claim a free slot: (pid, item) pairs tell who ran what
         _slot = next(s for s in range(len(running) // 2) if running[2 * s] == 0)
@@ -68,12 +92,69 @@ def _init_worker(threads: int, parent: int, running) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
 
 
+class WorkerError(Exception):
+    """Stands in for an exception a worker raised that would not come back whole: its class
+    cannot be rebuilt from its pickle (an ``__init__`` whose arguments pickling drops), or is
+    rebuilt with another message. The stand-in's class has the original's name and module and
+    derives from the pfl error class the original derived from, if any; its message is the
+    original's. So the run ends with the line the sequential loop prints, not with a broken
+    pool; the worker's traceback (``--debug``) is the pool's ``_RemoteTraceback``."""
+
+    pfl_base: type = Exception  # the pfl error class the original derived from, or Exception
+
+    def __reduce__(self):
+        cls = type(self)
+        return _worker_error, (cls.__module__, cls.__qualname__, cls.pfl_base, str(self))
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_error_class(module: str, qualname: str, base: type) -> type:
+    return type(qualname.rpartition(".")[2], (WorkerError, base),
+                {"__module__": module, "__qualname__": qualname, "pfl_base": base})
+
+
+def _worker_error(module: str, qualname: str, base: type, message: str) -> WorkerError:
+    cls = _worker_error_class(module, qualname, base)
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)  # not the base's __init__: SpecError's takes (path, message)
+    return error
+
+
+def _returnable(exc: BaseException) -> BaseException:
+    """``exc`` if the parent rebuilds it as it is from the pickle the pool sends, else its
+    ``WorkerError`` stand-in."""
+    try:
+        rebuilt = ForkingPickler.loads(ForkingPickler.dumps(exc))
+        if type(rebuilt) is type(exc) and str(rebuilt) == str(exc):
+            return exc
+    except Exception:
+        pass
+    try:
+        message = str(exc)
+    except Exception:
+        message = "(its message could not be made)"
+    base = next((c for c in type(exc).__mro__ if c.__module__ == PflError.__module__ and issubclass(c, Exception)),
+                Exception)
+    return _worker_error(type(exc).__module__, type(exc).__qualname__, base, message)
+
+
 def _call(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int]:
+    """Run a chunk of items in a worker (see ``_run_chunk``); an exception the parent could not
+    rebuild comes back as its ``WorkerError`` stand-in (it broke the pool)."""
+    try:
+        return _run_chunk(indices, payload)
+    except BaseException as exc:
+        returned = _returnable(exc)
+        if returned is exc:
+            raise
+        raise returned from exc
+
+
+def _run_chunk(indices: list[int], payload: bytes) -> tuple[list[bytes], float, int]:
     """Run a chunk of items in a worker. Items and results travel as plain pickles made here:
     torch's multiprocessing pickler would move tensors to shared memory instead. Each result
     is pickled as soon as it is computed: an upload may share the worker's working model,
@@ -178,7 +259,10 @@ class ProcessExecutor:
     pool forked for that ``map`` (it inherits the function as it is). Each worker runs one
     torch thread. Results come back in the items' order whatever order the workers finish
     in. A worker that dies is reported with the item it ran; that item and the ones not yet
-    finished are run again in a new pool, up to ``retries`` times per item.
+    finished are run again in a new pool, up to ``retries`` times per item. An exception an item
+    raises comes back as itself, or, when its class cannot be rebuilt from its pickle, as a
+    ``WorkerError`` of the same name and message. The workers ignore Ctrl-C (the parent stops
+    the run) and die silently when the pool SIGTERMs them.
 
     A kept executor (``ExecutorCache``: the trials of a tuning study) serves the next run with
     the same pool when that run's data is the very object the workers forked with, unchanged
@@ -267,7 +351,8 @@ class ProcessExecutor:
             indices, chunk_items = [i for i, _ in chunk], [it for _, it in chunk]
             update = self._update if split is not None and len(self._current) < self.workers else None
             payload = _pickled((self._generation, update, call, chunk_items))
-            pending.append((indices, chunk_items, pool.submit(_call, indices, payload)))
+            with _signals_held():  # the pool forks its workers at its first submit
+                pending.append((indices, chunk_items, pool.submit(_call, indices, payload)))
 
         def fill():
             while len(pending) < window:
