@@ -70,7 +70,18 @@ from pfl_core.runtime.training import (
     run_epochs,
 )
 from pfl_core.seeding import derive_seed, numpy_rng, torch_generator
-from pfl_core.spec import FieldError, at_least, at_most, between, choices_text, described, finite, greater_than, one_of
+from pfl_core.spec import (
+    FieldError,
+    at_least,
+    at_most,
+    between,
+    choices_text,
+    described,
+    finite,
+    greater_than,
+    learning_rate,
+    one_of,
+)
 from pfl_core.tracking import plots
 
 __all__ = [
@@ -79,7 +90,7 @@ __all__ = [
     "resolve_plugin", "refresh_plugins", "LocalWork",
     # errors and parameter validators
     "DataError", "FieldError", "NonFiniteError", "PflError", "SpecError", "at_least", "at_most", "between",
-    "choices_text", "described", "finite", "greater_than", "one_of",
+    "choices_text", "described", "finite", "greater_than", "learning_rate", "one_of",
     # messages and their size
     "Packed", "bits_for_classes", "nbytes",
     # models, clients and training

@@ -134,8 +134,8 @@ def test_one_point_with_seeds_keeps_its_parent_as_the_top_run(tmp_path):
 
 
 def test_artifact_root_beside_a_sqlite_file_only():
-    assert artifact_root_for("sqlite:////tmp/x.db") == "/tmp/x-artifacts"
-    assert artifact_root_for("sqlite:///rel/x.db") == str(Path("rel/x-artifacts").resolve())
+    assert artifact_root_for("sqlite:////tmp/x.db") == "file:///tmp/x-artifacts"
+    assert artifact_root_for("sqlite:///rel/x.db") == Path("rel/x-artifacts").resolve().as_uri()
     assert artifact_root_for("http://localhost:5000") is None
     assert artifact_root_for("file:///tmp/mlruns") is None
 

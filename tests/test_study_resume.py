@@ -4,20 +4,24 @@ without a stop; a run of another spec, or one whose checkpoint is gone, runs aga
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 import tomllib
 from mlflow.tracking import MlflowClient
-from test_cli import write_spec
+from test_cli import one_line_error, write_spec
 from tiny import tiny_raw
 
+from pfl_core.cli import main, run_main
 from pfl_core.engine import engine as engine_module
 from pfl_core.state.checkpoint import CHECKPOINT_TAG, RUN_FILE, checkpoints
 from pfl_core.study import run_spec_file
-from pfl_core.study.reuse import CONTINUED_TAG, REUSED_TAG, Reuse, client_rows
+from pfl_core.study.reuse import CONTINUED_TAG, REUSED_TAG, SUPERSEDED_TAG, Reuse, ResumeLock, client_rows
 from pfl_core.study.stored import find, load, studies
 
 SEEDS = [0, 1, 2]
@@ -219,15 +223,15 @@ ROUNDS = 4
 STOP_ROUND = 3  # seed 1 stops in its round 3: its round-2 checkpoint holds rounds 1-2
 
 
-def counting_rounds(monkeypatch, stop: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-    """Record (seed, round) of every round run; ``stop`` = (seed, round) raises Stop there."""
+def counting_rounds(monkeypatch, stop: tuple[int, int] | None = None, raising: type = Stop) -> list[tuple[int, int]]:
+    """Record (seed, round) of every round run; ``stop`` = (seed, round) raises ``raising`` there."""
     rounds: list[tuple[int, int]] = []
     run_round = engine_module.Engine.run_round
 
     def counted(self, ctx, round):
         rounds.append((self.resolved.spec.experiment.seed, round))
         if stop == rounds[-1]:
-            raise Stop("the machine went away mid-run")
+            raise raising("the machine went away mid-run")
         return run_round(self, ctx, round)
 
     monkeypatch.setattr(engine_module.Engine, "run_round", counted)
@@ -282,7 +286,9 @@ def test_the_interrupted_run_continues_from_its_checkpoint_as_a_run_never_stoppe
     new_folder = Path(continued.data.tags[CHECKPOINT_TAG])
     assert new_folder != old_folder and checkpoints(new_folder)
     assert sorted(p.name for p in old_folder.iterdir()) == old_checkpoints
-    assert client.get_run(interrupted.info.run_id).info.status == "FAILED"
+    # it failed (its status says so still), and the study that continued it is named on it
+    after = client.get_run(interrupted.info.run_id)
+    assert after.info.status == "FAILED" and after.data.tags[SUPERSEDED_TAG] == resumed.id
     mlflow.set_tracking_uri(None)
 
 
@@ -322,4 +328,182 @@ def test_an_interrupted_run_of_other_code_runs_again_from_its_start(interrupted_
     run_study(spec, uri, tmp_path, resume=True)
     assert [r for seed, r in rounds if seed == 1] == list(range(1, ROUNDS + 1))
     assert not [seed for seed, _ in rounds if seed == 0]  # the finished seed is still kept
+    mlflow.set_tracking_uri(None)
+
+
+# -- one resume of a study at a time; the study it continues is marked stopped -----------------------
+
+HOLD_LOCK = """
+import sys
+from pfl_core.study.reuse import ResumeLock
+lock = ResumeLock(sys.argv[1], sys.argv[2])
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()  # held until this process is killed
+"""
+
+
+def test_a_second_resume_while_one_runs_is_refused_in_one_line_and_a_killed_holder_blocks_nothing(
+        stopped, tmp_path, monkeypatch, capsys):
+    """The issue: two `pfl-run SPEC --resume` of one stopped study at once both ran the remaining
+    runs, and the store ended with two continuing studies."""
+    spec, uri, _ = stopped
+    client = MlflowClient(tracking_uri=uri)
+    calls = counting_runs(monkeypatch)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, uri, "tiny"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code = run_main([spec, "--resume", "--tracking-uri", uri, "--quiet", "--out", str(tmp_path / "results")])
+        err = one_line_error(capsys.readouterr().err)
+        assert code == 2 and err.startswith(
+            f"pfl-run: error: another pfl-run --resume (pid {holder.pid}) is continuing this study of experiment "
+            f"'tiny' in {uri}; wait for it to end")
+        assert f"(lock {(tmp_path / 'mlflow.db').resolve()}.resume-" in err  # beside the store
+        assert calls == [] and len(studies(client)) == 1  # nothing ran, no study began
+        assert not (tmp_path / "results").exists()
+    finally:
+        holder.kill()  # SIGKILL: the system releases the lock of a process that is gone
+        holder.wait(timeout=300)
+    assert run_main([spec, "--resume", "--tracking-uri", uri, "--quiet"]) == 0
+    assert calls == [1, 2]
+    assert len(studies(client)) == 2  # the stopped study and the one study that continued it
+    mlflow.set_tracking_uri(None)
+
+
+KILLED_AT_ROUND = """
+import os, signal, sys
+from pfl_core.engine import engine
+rounds = [0]
+run_round = engine.Engine.run_round
+def counted(self, ctx, round):
+    rounds[0] += 1
+    if rounds[0] == int(os.environ["KILL_AT_ROUND"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run_round(self, ctx, round)
+engine.Engine.run_round = counted
+from pfl_core.cli import run_main
+sys.exit(run_main(sys.argv[1:]))
+"""
+
+
+def kill_study(spec: str, uri: str, tmp_path, at_round: int) -> None:
+    """``pfl-run SPEC`` SIGKILLed as the ``at_round``-th round of the process starts: what a kill
+    leaves, its runs RUNNING in MLflow."""
+    env = {**os.environ, "KILL_AT_ROUND": str(at_round), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_ROUND, spec, "--tracking-uri", uri, "--quiet"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+
+
+@pytest.fixture
+def killed_mid_run(tmp_path, monkeypatch):
+    """A study SIGKILLed in seed 1's round 3 (seed 0 finished; a checkpoint every round): (spec, uri)."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = write_spec(tmp_path, study_raw(**{"experiment.rounds": ROUNDS, "checkpoint.every": 1}))
+    kill_study(spec, uri, tmp_path, at_round=ROUNDS + STOP_ROUND)
+    return spec, uri
+
+
+def listed(capsys, uri: str) -> dict[str, str]:
+    """``pfl results``' rows by study id."""
+    assert main(["results", "--tracking-uri", uri]) == 0
+    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+
+
+def test_the_runs_a_kill_left_running_end_killed_naming_the_study_that_continued_them(killed_mid_run, tmp_path,
+                                                                                        capsys):
+    spec, uri = killed_mid_run
+    client = MlflowClient(tracking_uri=uri)
+    (stopped_study,) = studies(client)
+    before = {r.info.run_name: r for r in stopped_study.runs}
+    assert {name: r.info.status for name, r in before.items()} == {
+        "fedprox": "RUNNING", "fedprox seed=0": "FINISHED", "fedprox seed=1": "RUNNING"}
+    assert listed(capsys, uri)[stopped_study.id].split()[-2:] == ["RUNNING", "3"]
+
+    run_study(spec, uri, tmp_path, resume=True)
+    stopped_study, resumed = studies(client)
+    after = {r.info.run_name: r for r in stopped_study.runs}
+    for name in ("fedprox", "fedprox seed=1"):  # the point's parent run, and the run the kill interrupted
+        assert after[name].info.status == "KILLED" and after[name].data.tags[SUPERSEDED_TAG] == resumed.id
+    kept = after["fedprox seed=0"]  # finished: left as it was
+    assert kept.info.status == "FINISHED" and SUPERSEDED_TAG not in kept.data.tags
+    assert kept.info.end_time == before["fedprox seed=0"].info.end_time
+
+    rows = listed(capsys, uri)
+    assert f" stopped (continued by {resumed.id}) " in rows[stopped_study.id]
+    assert rows[resumed.id].split()[-2:] == ["FINISHED", "4"]
+    assert main(["results", stopped_study.id, "--tracking-uri", uri]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(f", stopped (continued by {resumed.id})")
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_resume_stopped_by_ctrl_c_frees_its_lock_and_a_second_resume_finishes_the_study(killed_mid_run, tmp_path,
+                                                                                          monkeypatch):
+    spec, uri = killed_mid_run
+    counting_rounds(monkeypatch, stop=(2, 2), raising=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        run_study(spec, uri, tmp_path, resume=True)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    lock = ResumeLock(uri, "tiny")
+    # released on the way out, not when its objects are collected: the traceback still holds them
+    lock.acquire()
+    lock.release()
+    assert interrupted.traceback
+
+    rounds = counting_rounds(monkeypatch)
+    (point,), _ = run_study(spec, uri, tmp_path, resume=True)
+    assert rounds == [(2, 2), (2, 3), (2, 4)]  # seeds 0 and 1 kept, seed 2 on from its round-1 checkpoint
+    assert point.seeds == SEEDS
+    client = MlflowClient(tracking_uri=uri)
+    killed, first, second = studies(client)
+    assert (killed.continued_by, first.continued_by, second.state) == (first.id, second.id, "FINISHED")
+    # the point's parent (named fedprox-2 beside the first study's) and seed 2: Ctrl-C ended them
+    # KILLED, and they name the second resume; the seeds it finished are left as they were
+    by_name = {r.info.run_name if "seed=" in r.info.run_name else "parent": r for r in first.runs}
+    for name in ("parent", "fedprox seed=2"):
+        assert by_name[name].info.status == "KILLED" and by_name[name].data.tags[SUPERSEDED_TAG] == second.id
+    for name in ("fedprox seed=0", "fedprox seed=1"):
+        assert by_name[name].info.status == "FINISHED" and SUPERSEDED_TAG not in by_name[name].data.tags
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_study_that_ended_is_not_marked_when_a_resume_keeps_its_runs(tmp_path, monkeypatch):
+    """A sweep whose point diverged ended FINISHED: its failed runs are its result, not a stop."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = study_raw(**{"experiment.seeds": [0], "experiment.rounds": 2})
+    raw["sweep"] = {"training.lr": [0.1, 1e9]}
+    spec = write_spec(tmp_path, raw)
+    run_study(spec, uri, tmp_path)
+    run_study(spec, uri, tmp_path, resume=True)
+    client = MlflowClient(tracking_uri=uri)
+    ended, resumed = studies(client)
+    assert any(r.info.status == "FAILED" for r in ended.runs)  # the diverged point's runs
+    assert not [r for r in ended.runs if SUPERSEDED_TAG in r.data.tags] and ended.state == "FINISHED"
+    assert any(REUSED_TAG in r.data.tags for r in resumed.runs)
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_study_killed_while_tuning_is_marked_by_the_resume_that_goes_on_with_its_trials(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = study_raw(**{"experiment.seeds": [0], "experiment.rounds": 2})
+    raw["tune"] = {"trials": 2, "space": {"training.lr": {"low": 0.01, "high": 0.2, "log": True}}}
+    spec = write_spec(tmp_path, raw)
+    kill_study(spec, uri, tmp_path, at_round=3)  # trial 0 finished, trial 1 killed in its round 1
+    client = MlflowClient(tracking_uri=uri)
+    (killed,) = studies(client)
+    statuses = sorted((r.info.run_name, r.info.status) for r in killed.runs)
+    assert [status for _, status in statuses] == ["RUNNING", "FINISHED", "RUNNING"]  # tuning, trial 0, trial 1
+    run_study(spec, uri, tmp_path, resume=True)
+    killed, resumed = studies(client)
+    for run in killed.runs:
+        if run.info.run_name.endswith("trial 0"):
+            assert run.info.status == "FINISHED" and SUPERSEDED_TAG not in run.data.tags
+        else:
+            assert run.info.status == "KILLED" and run.data.tags[SUPERSEDED_TAG] == resumed.id, run.info.run_name
+    assert killed.state == f"stopped (continued by {resumed.id})"
     mlflow.set_tracking_uri(None)

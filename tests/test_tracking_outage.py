@@ -316,3 +316,164 @@ def test_replay_sends_the_files_a_journal_wrote_itself(tmp_path):
     own.add({"op": "text", "run_id": run_id, "text": "a,b\n", "artifact_file": "results/x.csv"})
     assert main(["replay", str(own.folder)]) == 0
     assert [a.path for a in client.list_artifacts(run_id, "results")] == ["results/x.csv"]
+
+
+# -- a record the store refuses is not an outage (issue 33) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def empty_sqlite_store(tmp_path_factory) -> Path:
+    """An empty SQLite store, made once: creating MLflow's tables takes seconds."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("empty") / "store.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+def refused_journal(tmp_path, store: Path, case: str):
+    """A SQLite store with one run, and a journal for it (metrics of step 1, then one more record)
+    that the store refuses: returns (uri, client, run id, journal, the refused record's words,
+    MLflow's error code). Only a deleted run refuses the first record too."""
+    from mlflow.tracking import MlflowClient
+
+    shutil.copyfile(store, tmp_path / "store.db")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("refused", (tmp_path / "art").as_uri())).info.run_id
+    kept = journal.Journal(tmp_path / "journal", uri)
+    kept.add({"op": "metrics", "run_id": run_id, "step": 1, "timestamp": journal.now_ms(),
+              "metrics": {"acc_mean": 0.5}})
+    if case == "changed param":  # the run was logged again meanwhile, with another lr
+        client.log_param(run_id, "lr", "0.1")
+        kept.add({"op": "params", "run_id": run_id, "params": {"mu": "1", "lr": "0.2"}})
+        return uri, client, run_id, kept, 'params record (key "lr" = "0.2")', "INVALID_PARAMETER_VALUE"
+    if case == "deleted run":  # deleted in the UI during the outage
+        kept.add({"op": "end", "run_id": run_id, "status": "FINISHED", "end_time": journal.now_ms()})
+        client.delete_run(run_id)
+        return uri, client, run_id, kept, 'metrics record of step 1 (key "acc_mean" = 0.5)', "INVALID_PARAMETER_VALUE"
+    if case == "unknown run":  # a journal replayed into another store (--tracking-uri)
+        kept.add({"op": "tag", "run_id": "0" * 32, "key": "pfl.note", "value": "x"})
+        return uri, client, "0" * 32, kept, 'tag record (key "pfl.note" = "x")', "RESOURCE_DOES_NOT_EXIST"
+    # a value SQLite cannot hold: MLflow's INTERNAL_ERROR raised here, not a server's HTTP 500
+    kept.add({"op": "metrics", "run_id": run_id, "step": 2**70, "timestamp": journal.now_ms(),
+              "metrics": {"loss_mean": 1.0}})
+    return uri, client, run_id, kept, f'metrics record of step {2**70} (key "loss_mean" = 1.0)', "INTERNAL_ERROR"
+
+
+@pytest.mark.parametrize("case", ["changed param", "deleted run", "unknown run", "value out of range"])
+def test_replay_a_record_the_store_refuses_names_it_in_one_line_and_keeps_the_journal(
+        tmp_path, capsys, empty_sqlite_store, case):
+    uri, client, run_id, kept, words, code = refused_journal(tmp_path, empty_sqlite_store, case)
+    left = kept.records()[1:] if case != "deleted run" else kept.records()
+    capsys.readouterr()  # MLflow's own lines from creating the store
+    assert main(["replay", str(kept.folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"pfl replay: error: {kept.folder}: the store {uri} refused the {words} of run {run_id}: "
+                          f"{code}: "), err
+    assert err.endswith(f"; the journal is kept ({len(left)} of 2 records left, this one first)"), err
+    assert "unreachable" not in err and "cannot be written" not in err
+    assert kept.records() == left  # nothing lost: the refused record stays, first
+    if case in ("changed param", "value out of range"):  # what the store took before the refusal is in it
+        assert client.get_run(run_id).data.metrics == {"acc_mean": 0.5}
+    if case == "changed param":
+        assert client.get_run(run_id).data.params == {"lr": "0.1", "mu": "1"}
+
+
+def test_the_refusal_is_said_for_the_record_refused_not_the_batch_it_went_in(tmp_path, empty_sqlite_store):
+    """Metrics and params of a run go in one log_batch; the store refuses its changed param:
+    the line names the param (not "metrics of step 1"), and the metrics are sent."""
+    uri, client, run_id, kept, words, _ = refused_journal(tmp_path, empty_sqlite_store, "changed param")
+    assert journal.batch_group(kept.records(), 0) == 2  # one request for both
+    with pytest.raises(journal.RecordRefused) as info:
+        kept.replay(client)
+    assert (info.value.record["op"], info.value.key) == ("params", "lr")
+    assert str(info.value).startswith(f"{words} of run {run_id}: INVALID_PARAMETER_VALUE: Changing param values")
+    assert client.get_run(run_id).data.metrics == {"acc_mean": 0.5}
+    assert [r["op"] for r in kept.records()] == ["params"]
+
+
+def test_replay_to_a_server_that_is_away_keeps_the_journal_and_says_to_retry(tmp_path, capsys):
+    with socket.socket() as probe:  # a port nothing listens on: connection refused
+        probe.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    kept = journal.Journal(tmp_path / "journal", uri)
+    kept.add({"op": "metrics", "run_id": "1" * 32, "step": 1, "timestamp": journal.now_ms(), "metrics": {"a": 0.5}})
+    assert main(["replay", str(kept.folder)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pfl replay: tracking server {uri} unreachable ([Errno 111] Connection refused); {kept.folder} is "
+                   f"kept (1 of 1 records left): run pfl replay {kept.folder} again when the server is back"), err
+    assert kept.pending()
+
+
+def outage_answer(status: int, body: str):
+    """A local HTTP server that answers every request with ``status`` and ``body``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("status,body", [
+    (503, "<html>Service Unavailable</html>"),  # a proxy before a server that is down
+    (500, '{"error_code": "INTERNAL_ERROR", "message": "database is locked"}'),
+    (501, '{"error_code": "NOT_IMPLEMENTED", "message": "later"}'),  # a 5xx MLflow does not retry
+])
+def test_replay_to_a_server_answering_5xx_is_an_outage(tmp_path, capsys, status, body):
+    server = outage_answer(status, body)
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        kept = journal.Journal(tmp_path / "journal", uri)
+        kept.add({"op": "tag", "run_id": "1" * 32, "key": "k", "value": "v"})
+        assert main(["replay", str(kept.folder)]) == 3
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pfl replay: tracking server {uri} unreachable ("), err
+    assert err.endswith("again when the server is back") and kept.pending(), err
+
+
+def test_which_store_errors_are_outages():
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_STATE, TEMPORARILY_UNAVAILABLE
+
+    def wrapped(cause: BaseException) -> MlflowException:
+        try:
+            raise cause
+        except BaseException:  # as MLflow wraps what it met: the cause is the new one's context
+            try:
+                raise MlflowException(f"API request failed with exception {cause}", error_code=INTERNAL_ERROR)
+            except MlflowException as exc:
+                return exc
+
+    outages = [requests.exceptions.ConnectionError("refused"), requests.exceptions.ReadTimeout("timed out"),
+               wrapped(requests.exceptions.ConnectionError("refused")), TimeoutError("timed out"),
+               RestException({"error_code": "INTERNAL_ERROR", "message": "boom"}),  # a server's 500
+               RestException({"error_code": "REQUEST_LIMIT_EXCEEDED", "message": "slow down"}),
+               MlflowException("API request to endpoint /x failed with error code 502 != 200. Response body: ''"),
+               MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE),
+               OSError(28, "No space left on device")]
+    refusals = [RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "Changing param values"}),
+                RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Run not found"}),
+                wrapped(OverflowError("Python int too large to convert to SQLite INTEGER")),  # local 500
+                MlflowException("Run 'x' metadata is in invalid state.", error_code=INVALID_STATE),
+                ValueError("could not convert string to float: 'abc'"), OSError(13, "Permission denied")]
+    assert [journal.is_outage(exc) for exc in outages] == [True] * len(outages)
+    assert [journal.is_outage(exc) for exc in refusals] == [False] * len(refusals)

@@ -4,6 +4,7 @@ tuning resumes without repeating a finished trial."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -186,14 +187,14 @@ def test_a_diverged_trial_fails_alone_and_counts_in_the_budget(tmp_path, monkeyp
     raw = tune_raw(trials=3, sweep=None, space={"training.lr": {"choices": [0.05, 1e9, 0.01]}},
                    **{"tracking.enabled": True, "tune.sampler": "grid", "tune.pruner": "none"})
     spec = write_spec(tmp_path, raw)
-    out = tmp_path / "o.txt"
-    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(out, "w"))
+    out = io.StringIO()  # read back below: a file left open may not be flushed yet
+    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=out)
     mlflow.set_tracking_uri(None)
     (trials,) = trials_of(tmp_path / "optuna.db").values()
     by_lr = {t.params["training.lr"]: t for t in trials}
     assert by_lr[1e9].state == optuna.trial.TrialState.FAIL and "diverged" in by_lr[1e9].user_attrs["pfl.diverged"]
     assert [by_lr[lr].state for lr in (0.05, 0.01)] == [optuna.trial.TrialState.COMPLETE] * 2
-    assert "tuned in 3 trials (0 pruned, 1 diverged)" in out.read_text()
+    assert "tuned in 3 trials (0 pruned, 1 diverged)" in out.getvalue()
     assert "a failed trial, counted in tune.trials" in capsys.readouterr().err
     runs = {r.data.tags["pfl.tune.trial"]: r for r in runs_of(uri) if "pfl.tune.trial" in r.data.tags}
     failed = runs[str(by_lr[1e9].number)]
@@ -201,10 +202,11 @@ def test_a_diverged_trial_fails_alone_and_counts_in_the_budget(tmp_path, monkeyp
     (parent,) = [r for r in runs_of(uri) if r.info.run_name == "fedavg (tuning)"]
     assert parent.data.metrics["trials_diverged"] == 1 and parent.data.params["best.training.lr"] in ("0.05", "0.01")
     # a resumed tuning counts the diverged trial as done: nothing runs again
-    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=open(out, "w"), resume=True)
+    out = io.StringIO()
+    run_spec_file(spec, [], quiet=True, tracking_uri=uri, out=out, resume=True)
     mlflow.set_tracking_uri(None)
     (again,) = trials_of(tmp_path / "optuna.db").values()
-    assert len(again) == 3 and "tuned in 3 trials (0 pruned, 1 diverged)" in out.read_text()
+    assert len(again) == 3 and "tuned in 3 trials (0 pruned, 1 diverged)" in out.getvalue()
 
 
 KILL_AT_TRIAL = """

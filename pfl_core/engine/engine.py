@@ -14,6 +14,7 @@ import torch
 from pfl_core import registry
 from pfl_core.data.cache import DataCache
 from pfl_core.data.federated import build_federated_data
+from pfl_core.engine.divergence import lower_advice
 from pfl_core.errors import (
     Interrupted,
     NonFiniteError,
@@ -25,7 +26,7 @@ from pfl_core.errors import (
 from pfl_core.execution.planner import ExecutorCache, make_executor, plan
 from pfl_core.payload import nbytes
 from pfl_core.registry import Plugin
-from pfl_core.runtime.client import ClientResult, ClientTask, copy_payload, run_client
+from pfl_core.runtime.client import ClientResult, ClientTask, copy_payload, is_overflow, run_client
 from pfl_core.runtime.context import ModelBank, RunContext
 from pfl_core.runtime.evaluation import coldstart_models, evaluate_clients
 from pfl_core.seeding import numpy_rng
@@ -236,8 +237,9 @@ class Engine:
         if result.diverged is not None:
             if result.upload is None and self.spec.training.on_nonfinite == "skip_client":
                 return client_id, None
+            advice = lower_advice(self.spec, self.resolved.plugins)
             raise NonFiniteError(f"round {ctx.round}, client {client_id}, method {self.spec.algorithm.name}: "
-                                 f"{result.diverged}; training diverged: lower training.lr (now {self.spec.training.lr}) "
+                                 f"{result.diverged}; training diverged: {advice}, "
                                  f"or set training.on_nonfinite = \"skip_client\"")
         if result.train_loss is not None:
             ctx.train_losses.append(result.train_loss)
@@ -307,7 +309,14 @@ class Engine:
             self.checkpointer = checkpoint.checkpointer_for(self, resume)
             if hasattr(self.tracker, "keep_journal_in"):  # what the store misses goes beside the checkpoints
                 self.tracker.keep_journal_in(self.checkpointer.folder)
-            result = self._run(ctx)
+            try:
+                result = self._run(ctx)
+            except RuntimeError as exc:  # a server step (FedAdam's tau^2, ...) beyond float32: one line
+                if not is_overflow(exc):
+                    raise
+                where = f"round {ctx.round}" if ctx.round else "before round 1"
+                raise NonFiniteError(f"{where}, method {spec.algorithm.name}: a value left float32's range (torch: "
+                                     f"{exc}); {lower_advice(spec, self.resolved.plugins)}") from None
             status = "FINISHED"
             result.run_id = self.tracker.run_id
             result.seconds = time.perf_counter() - started
@@ -405,7 +414,7 @@ class Engine:
         if self.diverged and not self.trained and self.resume is None:
             text = (f"run {self.run_name!r}: every client update was dropped ({self.diverged} diverged, "
                     f"training.on_nonfinite = \"skip_client\"), so the server learned nothing from its clients; "
-                    f"lower training.lr (now {spec.training.lr})")
+                    f"{lower_advice(spec, self.resolved.plugins)}")
             warning_line(text)
             self.tracker.set_tag("pfl.warning", text)
         if self.artifacts:

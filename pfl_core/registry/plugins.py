@@ -64,6 +64,14 @@ class Plugin:
 
         return LocalWork(float(spec.training.local_epochs))
 
+    def server_archs(self, spec) -> dict[str, str]:
+        """The model architectures this plugin builds through ``ctx.models`` besides the clients'
+        (a server model), each with the spec key that names it: ``{"vgg16":
+        "algorithm.params.server_arch"}``. ``pfl-run --dry-run`` (and a study, before its first
+        run trains) builds them once, so one that cannot take the data's inputs, or is larger
+        than this machine's memory, is said there. Default: none."""
+        return {}
+
 
 @attrs.frozen
 class Discovered:

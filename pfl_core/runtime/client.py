@@ -62,8 +62,10 @@ def run_client(view, task: ClientTask) -> ClientResult:
             train_loss = float(train_metrics["train_loss"])
         upload = hooks.client_upload(ctx=view, client=client)
         check_finite(upload)
-    except NonFiniteError as exc:
-        diverged = str(exc)
+    except (NonFiniteError, RuntimeError) as exc:
+        if not isinstance(exc, NonFiniteError) and not is_overflow(exc):
+            raise
+        diverged = str(exc) if isinstance(exc, NonFiniteError) else f"a step left float32's range (torch: {exc})"
         upload = None
         if task.skip:  # the round never happened for this client
             client.state.clear()
@@ -74,6 +76,14 @@ def run_client(view, task: ClientTask) -> ClientResult:
     staged = client.staged if upload is not None else {}  # a diverged client's round never happened
     return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged,
                         staged)
+
+
+def is_overflow(exc: BaseException) -> bool:
+    """Whether torch refused a scalar beyond its tensor's float range (a step size a method
+    derived from its parameters, e.g. ``alpha=lr * scale``): the update diverged before it was
+    taken, so it is reported as divergence, not as an internal error."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "cannot be converted to type" in text and "without overflow" in text
 
 
 def check_finite(payload) -> None:

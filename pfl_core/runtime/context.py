@@ -76,10 +76,13 @@ class ModelBank:
         for arch in model.arch_params:  # also those only a plugin builds (a server model): keys checked now
             self.plugin(arch, f"model.arch_params.{arch}")
 
-    def check_builds(self) -> None:
-        """Build each client architecture once for this data's input shape (dry runs):
-        a model that cannot take these inputs fails here, naming its spec key."""
-        for arch, path in self._paths.items():
+    def check_builds(self, server_archs: dict[str, str] | None = None) -> None:
+        """Build each client architecture once for this data's input shape (dry runs), then
+        each of ``server_archs`` (a method's server models: architecture -> the spec key naming
+        it) that no client has: a model that cannot take these inputs, or is larger than this
+        machine's memory, fails here with the run's own error, naming its spec key."""
+        servers = {arch: path for arch, path in (server_archs or {}).items() if arch not in self._paths}
+        for arch, path in {**self._paths, **servers}.items():
             self._construct(arch, path)
 
     def plugin(self, arch: str, path: str = "model.name"):

@@ -10,14 +10,18 @@ from torch import nn
 
 from pfl_core.errors import NonFiniteError
 from pfl_core.spec import TrainingSection
+from pfl_core.spec.validators import ADAM_BETAS, optimizer_step_problem
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], training: TrainingSection, lr: float | None = None):
     lr = training.lr if lr is None else lr
+    problem = optimizer_step_problem(training.optimizer, lr, training.momentum)
+    if problem:  # a plugin's own step size (the spec's training.lr was checked when it was read)
+        raise NonFiniteError(f"a learning rate of {problem}")
     if training.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, weight_decay=training.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=training.momentum, weight_decay=training.weight_decay)
 
 

@@ -44,6 +44,7 @@ from pfl_core.spec.validators import (
     described,
     finite,
     greater_than,
+    learning_rate,
     one_of,
 )
 
@@ -53,6 +54,6 @@ __all__ = [
     "POINTS", "PartitionSection", "PluginRef", "PublicSection", "RENAMED_KEYS", "Spec", "StateSection",
     "TrackingSection", "TrainingSection", "apply_overrides", "at_least", "at_most", "between", "check_nesting",
     "choices_text", "converter", "describe_int", "described", "dump_toml", "expand_sweep", "finite",
-    "greater_than", "join_path", "load_toml", "make_converter", "one_of", "parse_value", "set_dotted", "shown",
-    "split_key", "structure", "swept_axes_replaced", "tomllib", "unstructure",
+    "greater_than", "join_path", "learning_rate", "load_toml", "make_converter", "one_of", "parse_value",
+    "set_dotted", "shown", "split_key", "structure", "swept_axes_replaced", "tomllib", "unstructure",
 ]

@@ -13,15 +13,20 @@ from attrs import define, field
 
 from pfl_core.spec.validators import (
     MAX_CLIENTS,
+    MAX_EPOCHS,
+    MAX_ROUNDS,
     FieldError,
     _distinct,
     _valid_seeds,
+    as_float32,
     at_least,
     at_most,
     between,
     finite,
     greater_than,
+    learning_rate,
     one_of,
+    optimizer_step_problem,
 )
 
 
@@ -38,14 +43,14 @@ class ExperimentSection:
     # runs; every run then logs gain_vs_local and gain_vs_best_reference (does collaboration
     # help here?). E.g. ["local", "centralized"].
     reference: list[str] = field(factory=list, validator=_distinct("reference"))
-    rounds: int = field(default=10, validator=at_least(1))
+    rounds: int = field(default=10, validator=[at_least(1), at_most(MAX_ROUNDS)])
     # Fraction of clients sampled each round with the round's seeded RNG.
     participation: float = field(default=1.0, validator=between(0, 1, low_open=True))
     # Cold-start clients: held out of training entirely (seeded choice); after the last round
     # each personalises from the final federated state for coldstart_epochs local epochs and
     # is evaluated separately (coldstart_acc_mean ...): the participation gap.
     coldstart_clients: int = field(default=0, validator=at_least(0))
-    coldstart_epochs: int = field(default=1, validator=at_least(0))
+    coldstart_epochs: int = field(default=1, validator=[at_least(0), at_most(MAX_EPOCHS)])
     description: str = ""
 
 
@@ -120,10 +125,10 @@ class PluginRef:
 
 @define
 class TrainingSection:
-    local_epochs: int = field(default=1, validator=at_least(0))
+    local_epochs: int = field(default=1, validator=[at_least(0), at_most(MAX_EPOCHS)])
     batch_size: int = field(default=10, validator=at_least(1))
     optimizer: str = field(default="sgd", validator=one_of("sgd", "adam"))
-    lr: float = field(default=0.01, validator=[finite, greater_than(0)])
+    lr: float = field(default=0.01, validator=learning_rate)
     momentum: float = field(default=0.0, validator=between(0, 1, high_open=True))
     weight_decay: float = field(default=0.0, validator=[finite, at_least(0)])
     shuffle: bool = True
@@ -135,6 +140,16 @@ class TrainingSection:
     # round, client and method) or "skip_client" (left out of this round's aggregate, its
     # state restored; skipped_clients is logged per round).
     on_nonfinite: str = field(default="stop", validator=one_of("stop", "skip_client"))
+
+    def __attrs_post_init__(self):
+        # What the optimiser derives from lr and momentum must fit float32 as well (issue 33).
+        if self.optimizer == "sgd" and as_float32(self.momentum) >= 1:
+            raise FieldError("momentum", f"{self.momentum!r} is 1 in float32, the precision of the optimiser's "
+                                         f"arithmetic, so the velocity never decays; it must be < 1 there "
+                                         f"(at most {as_float32(1 - 2**-24)!r})")
+        problem = optimizer_step_problem(self.optimizer, self.lr, self.momentum)
+        if problem:
+            raise FieldError("lr", problem)
 
 
 @define

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import struct
 
 from pfl_core.errors import did_you_mean
 
@@ -73,6 +74,55 @@ def finite(_instance, attribute, value):
         raise FieldError(attribute.name, f"must be a finite number, got {value!r}")
 
 
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, the precision of the tensors it scales (inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # rounds beyond float32's largest
+        return math.copysign(math.inf, value)
+
+
+@described("in [1.2e-38, 3.4e38], float32's normal range")
+def learning_rate(_instance, attribute, value):
+    """A step size: finite, > 0, and a normal float32. A smaller one is 0 in float32
+    (``training.lr = 1e-46``: the run trained nothing and reported the initial model) or a
+    subnormal number, which a run flushes to 0 (the engine's ``torch.set_flush_denormal``)."""
+    if value is None:
+        return
+    finite(_instance, attribute, value)
+    if value <= 0:  # the words of finite and greater_than(0), which this replaced
+        raise FieldError(attribute.name, f"must be > 0, got {value!r}")
+    if value < FLOAT32_TINY:
+        # float32 rounds up to half its smallest subnormal, 2**-149, to 0 (computed, not cast: a
+        # cast after torch.set_flush_denormal(True) gives 0 for every subnormal)
+        held = "0 in float32" if value <= 2.0**-150 else "a subnormal number in float32, which a run flushes to 0"
+        raise FieldError(attribute.name, f"{value:g} is {held} (the precision of the weights it scales), so no step "
+                                         f"would move them; it must be >= {FLOAT32_TINY:.3g} (float32's smallest "
+                                         f"normal number)")
+    if value > FLOAT_MAX:
+        raise FieldError(attribute.name, f"{value:g} is beyond float32's range (|x| <= {FLOAT_MAX:.3g})")
+
+
+def optimizer_step_problem(optimizer: str, lr: float, momentum: float) -> str | None:
+    """Why ``optimizer`` (``training.optimizer``) cannot step at ``lr`` in float32, or None.
+
+    What torch's optimisers derive from lr must fit float32 too: Adam's first step takes
+    ``lr / (1 - beta1)`` (10 lr; torch converts it to float32 and stops with an overflow error
+    beyond 3.4e38), SGD's momentum makes the step under a steady gradient ``lr / (1 -
+    momentum)`` (momentum as float32 holds it: 0.99999999 is 1, whose velocity never decays)."""
+    if optimizer == "adam":
+        divisor = 1 - ADAM_BETAS[0] ** 1  # as torch.optim.Adam computes its first step size
+        what, given = "adam's first step, lr / (1 - beta1)", f"beta1 = {ADAM_BETAS[0]}"
+    else:
+        divisor = max(1 - as_float32(momentum), 0.0)
+        what, given = "sgd's step under a steady gradient, lr / (1 - momentum)", f"training.momentum = {momentum!r}"
+    step = lr / divisor if divisor else math.inf
+    if step <= FLOAT_MAX:
+        return None
+    return (f"{lr:g} makes {what} = {step:.3g} ({given}), overflow float32 (largest {FLOAT_MAX:.3g}); "
+            f"with {optimizer} it must be <= {FLOAT_MAX * divisor:.3g}")
+
+
 def choices_text(choices) -> str:
     """``"a"``, ``"a" or "b"``, ``"a", "b" or "c"`` (strings quoted as in TOML)."""
     words = [json.dumps(c) if isinstance(c, str) else repr(c) for c in choices]
@@ -98,7 +148,13 @@ def one_of(*choices):
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # TOML's integers are 64-bit
 FLOAT_MAX = 3.4028234663852886e38  # float32's largest: a spec number meets float32 tensors (lr, decay, ...)
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number (1.2e-38): below it a step size loses its precision
+ADAM_BETAS = (0.9, 0.999)  # torch's defaults, which make_optimizer passes (pfl_core/runtime/training.py)
 MAX_CLIENTS = 1_000_000  # partition.num_clients
+# training.local_epochs, experiment.coldstart_epochs: epochs of one client in one round (papers
+# use 1-50; 2**63 - 1 was accepted and the run never ended)
+MAX_EPOCHS = 10_000
+MAX_ROUNDS = 1_000_000  # experiment.rounds
 MAX_SWEEP_POINTS = 1000  # points of a sweep's cartesian product
 MAX_NESTING = 32  # levels of arrays and tables in a value
 MAX_SPEC_BYTES = 10 * 2**20  # a spec file

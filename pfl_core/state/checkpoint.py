@@ -41,7 +41,7 @@ import torch
 
 from pfl_core.errors import PflError
 from pfl_core.state import provenance, stateio
-from pfl_core.state.locations import beside_store, process_running, sqlite_file
+from pfl_core.state.locations import beside_store, process_running, sqlite_file, sqlite_uri
 
 FORMAT = "pfl-checkpoint/1"
 RUN_FILE = "run.safetensors"
@@ -167,7 +167,7 @@ def tracking_uri_of(tracker) -> str | None:
         return None
     uri = mlflow.get_tracking_uri()
     db = sqlite_file(uri)
-    return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
+    return sqlite_uri(db.resolve()) if db is not None and not db.is_absolute() else uri
 
 
 def checkpointer_for(engine, resume: "Loaded | None" = None) -> "Checkpointer":

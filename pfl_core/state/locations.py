@@ -8,24 +8,50 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote
+
+
+SQLITE_PREFIX = "sqlite:///"
 
 
 def sqlite_file(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` store URI; None for other stores and in-memory ones."""
-    if not uri.startswith("sqlite:///"):
+    """The database file of a ``sqlite:///`` store URI; None for other stores and in-memory ones.
+    Percent-decoded, as SQLAlchemy (under MLflow) does: MLflow's default URI of a working directory
+    ``/home/u/My Runs`` is ``sqlite:////home/u/My%20Runs/mlflow.db``; ``?`` starts the options."""
+    if not uri.startswith(SQLITE_PREFIX):
         return None
-    path = uri[len("sqlite:///"):].split("?")[0]
+    path = unquote(uri[len(SQLITE_PREFIX):].split("?")[0])
     return Path(path) if path and path != ":memory:" else None
+
+
+def sqlite_uri(path: Path | str) -> str:
+    """The ``sqlite:///`` URI of a database file, :func:`sqlite_file` gives ``path`` back. Only a
+    ``%``, ``?`` or ``#`` is percent-encoded (SQLAlchemy decodes ``%XX`` and ends the path at a
+    ``?``); a space or an accent stays: MLflow (3.17) makes a store's folder from its URI
+    undecoded, and made an empty ``My%20Runs`` beside ``My Runs``."""
+    return SQLITE_PREFIX + str(path).replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+
+
+def plain_uri(uri: str) -> str:
+    """The store URI pfl hands to MLflow: a SQLite one re-encoded by :func:`sqlite_uri` (MLflow's
+    own default, ``sqlite:////home/u/My%20Runs/mlflow.db``, is percent-encoded); others as given."""
+    db = sqlite_file(uri)
+    if db is None:
+        return uri
+    options = uri.partition("?")[2]
+    return sqlite_uri(db) + (f"?{options}" if options else "")
 
 
 def artifact_root_for(uri: str) -> str | None:
     """Where a SQLite store's artifacts go: beside the database file (``/tmp/x.db`` ->
-    ``/tmp/x-artifacts``), not MLflow's shared ``./mlruns``. None for other stores."""
+    ``file:///tmp/x-artifacts``), not MLflow's shared ``./mlruns``. None for other stores. A file
+    URI: MLflow percent-decodes an artifact location, so a bare path with a ``%`` in it (or a
+    ``?``, ``#``) would send the artifacts to another folder."""
     db = sqlite_file(uri)
     if db is None:
         return None
     db = db.resolve()
-    return str(db.with_name(db.stem + "-artifacts"))
+    return db.with_name(db.stem + "-artifacts").as_uri()
 
 
 def beside_store(tracking_uri: str | None) -> Path:

@@ -222,14 +222,31 @@ def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, st
     return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
 
 
+def server_archs(point: Point) -> dict[str, str]:
+    """The server models a point's method (and add-ons) build beyond the clients': architecture
+    -> the spec key naming it (:meth:`pfl_core.registry.Plugin.server_archs`)."""
+    spec = point.resolved.spec
+    return {arch: path for plugin in point.resolved.plugins for arch, path in plugin.server_archs(spec).items()}
+
+
 def point_builds(point: Point):
-    """Build what a point's run would build first: its data partition (of its first seed) and
-    every client's model (on the CPU); raises the SpecError or DataError the run would. Returns
-    the federated data."""
+    """Build what a point's run would build first: its data partition (of its first seed),
+    every client's model and its method's server models (on the CPU); raises the SpecError or
+    DataError the run would. Returns the federated data."""
     spec = point.for_seed(point.seeds[0]).spec if point.seeds else point.resolved.spec
     data = build_federated_data(spec)
-    ModelBank(point.resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds()
+    ModelBank(point.resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds(
+        server_archs(point))
     return data
+
+
+def build_key(point: Point) -> str:
+    """What :func:`point_builds` depends on: points with the same key (a sweep of the learning
+    rate) build the same data and models, so each is built once."""
+    shared = {key: point.resolved.as_dict.get(key) for key in ("data", "partition", "public", "model")}
+    shared["seed"] = point.seeds[0] if point.seeds else point.resolved.spec.experiment.seed
+    shared["server models"] = server_archs(point)
+    return repr(shared)
 
 
 def check_every_point_builds(points: list[Point]) -> None:
@@ -238,9 +255,7 @@ def check_every_point_builds(points: list[Point]) -> None:
     partition, seeds and models are built once."""
     seen = set()
     for point in points:
-        shared = {key: point.resolved.as_dict.get(key) for key in ("data", "partition", "public", "model")}
-        shared["seed"] = point.seeds[0] if point.seeds else point.resolved.spec.experiment.seed
-        key = repr(shared)
+        key = build_key(point)
         if key not in seen:
             seen.add(key)
             point_builds(point)

@@ -7,7 +7,7 @@ import math
 
 from pfl_core.engine import RunResult
 from pfl_core.study.compare import GAINS, comparisons
-from pfl_core.study.points import Point, PointResult, point_builds
+from pfl_core.study.points import Point, PointResult, build_key, point_builds
 from pfl_core.study.stats import Summary
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds, warning_line
 from pfl_core.tracking.tracker import current_study
@@ -32,6 +32,7 @@ def print_locations(point: Point, out_dir: str | None, out) -> None:
 
 
 def dry_run_report(points: list[Point], out) -> None:
+    built: dict[str, str] = {}  # build_key -> its "# ok" line: points sharing data and models build once
     for point in points:
         if point.settings:
             print(f"# sweep point: {point.settings}", file=out)
@@ -39,11 +40,14 @@ def dry_run_report(points: list[Point], out) -> None:
         if point.seeds:
             print(f"# seeds: {', '.join(map(str, point.seeds))} ({len(point.seeds)} runs of this point, "
                   f"each with its own partition and initialisation)", file=out)
-        data = point_builds(point)
-        sizes = [c.num_train for c in data.clients]
-        public = f", public set {len(data.public.indices)}" if data.public is not None else ""
-        print(f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
-              f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}\n", file=out)
+        key = build_key(point)
+        if key not in built:
+            data = point_builds(point)
+            sizes = [c.num_train for c in data.clients]
+            public = f", public set {len(data.public.indices)}" if data.public is not None else ""
+            built[key] = (f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
+                          f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}")
+        print(built[key] + "\n", file=out)
 
 
 def _fmt(value) -> str:

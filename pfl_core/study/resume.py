@@ -13,7 +13,7 @@ from pfl_core.errors import PflError
 from pfl_core.spec import load_toml, tomllib
 from pfl_core.state import checkpoint, provenance
 from pfl_core.state.checkpoint import CHECKPOINT_TAG, checkpoints
-from pfl_core.state.locations import beside_store, sqlite_file
+from pfl_core.state.locations import beside_store, plain_uri, sqlite_file
 from pfl_core.study.points import PointResult, resolve_points
 from pfl_core.study.report import print_point
 from pfl_core.study.stats import summarize
@@ -79,7 +79,7 @@ def checkpoint_of_run(run_id: str, tracking_uri: str | None, spec_path: str | No
     if uri is None and spec_path:
         table = load_toml(spec_path).get("tracking")
         uri = (table.get("uri") if isinstance(table, dict) else None) or None
-    uri = uri or mlflow.get_tracking_uri()
+    uri = plain_uri(uri or mlflow.get_tracking_uri())
     db = sqlite_file(uri)
     if db is not None and not db.is_file():
         raise PflError(f"--resume: {run_id} is neither a checkpoint folder nor a run of an MLflow store here "

@@ -21,11 +21,24 @@ copied into the new run's own folder, and the engine resumes from it, so the run
 would have without the stop. A run whose checkpoint is gone or was never written
 (``checkpoint.enabled = false``) cannot be checked against the spec and runs again from its
 start.
+
+Once the continuing study has kept or continued a run of a stopped study, that study is over: its
+runs left unfinished are tagged ``pfl.superseded_by`` = the continuing study's id, and those a
+kill left RUNNING end KILLED (``pfl results`` lists it as stopped, continued by that study);
+its FINISHED runs stay as they were. A study whose tuning the continuing study's tuning went on
+with is marked the same way.
+
+One ``SPEC --resume`` of a study (a store and an experiment) runs at a time: each holds a file
+lock (:class:`ResumeLock`) and a second one is refused at once, in one line naming the first's
+process; the operating system releases the lock of a process that is killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,12 +51,15 @@ from pfl_core.errors import PflError
 from pfl_core.spec import tomllib
 from pfl_core.state import checkpoint, provenance
 from pfl_core.state.checkpoint import CHECKPOINT_TAG
+from pfl_core.state.locations import process_running, sqlite_file
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.terminal import warning_line
-from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG
+from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG, current_study
 
 REUSED_TAG = "pfl.reused_from"  # the run a kept run was copied from
 CONTINUED_TAG = "pfl.continued_from"  # the interrupted run a run continues
+SUPERSEDED_TAG = "pfl.superseded_by"  # on a stopped study's unfinished runs: the study that continued it
+TUNING_TAG = "pfl.tune.study"  # a tuning's runs: the Optuna study its trials are in
 CLIENTS_TABLE = "results/clients.csv"
 # Tags that belong to a run's place (its study, parent, store) or are MLflow's own: the copy gets
 # its new ones from the tracker that starts it.
@@ -69,6 +85,7 @@ class Reuse:
 
     def __init__(self) -> None:
         self._by_name: dict[str, dict[str, list]] = {}  # experiment -> run name -> runs, newest first
+        self._superseded: set[str] = set()  # the stopped studies this one has taken over
 
     def find(self, resolved: Resolved, name: str) -> Earlier | None:
         """The newest finished run of this name to keep, else the newest interrupted one to
@@ -104,6 +121,7 @@ class Reuse:
         old = earlier.run
         old_id = old.info.run_id
         self._say_if_other_code(earlier, resolved, name)
+        self.supersede(old, spec.tracking.experiment or spec.experiment.name)
         new_id, by_step = self._start_copy(earlier, resolved, name, tracker, REUSED_TAG)
         status = "FAILED"
         try:
@@ -132,6 +150,7 @@ class Reuse:
         the engine resumed from it (``pfl-run --resume RUN``'s path, in the new run)."""
         spec = resolved.spec
         last = earlier.loaded.round
+        self.supersede(earlier.run, spec.tracking.experiment or spec.experiment.name)
         new_id, _ = self._start_copy(earlier, resolved, name, tracker, CONTINUED_TAG, up_to=last)
         try:
             folder = checkpoint.run_folder(spec, new_id, name, checkpoint.tracking_uri_of(tracker))
@@ -174,8 +193,8 @@ class Reuse:
         return tracker.run_id, by_step
 
     def _runs(self, experiment: str) -> dict[str, list]:
-        """The experiment's runs by name, newest first, read once: the runs this study starts
-        are not among them (and no tuning trial has a final run's name)."""
+        """The experiment's runs by name, newest first, read once (after the tunings): the final
+        runs this study starts are not among them (and no tuning run has a final run's name)."""
         if experiment not in self._by_name:
             import mlflow
 
@@ -188,6 +207,42 @@ class Reuse:
                 by_name.setdefault(run.info.run_name, []).append(run)
             self._by_name[experiment] = by_name
         return self._by_name[experiment]
+
+    def supersede(self, run, experiment: str) -> None:
+        """Mark the stopped study ``run`` belongs to as continued by the current one, once: its
+        runs left unfinished are tagged :data:`SUPERSEDED_TAG`; those still RUNNING (their process
+        was killed) end KILLED. A study that ended (its top-level runs FINISHED) is left alone:
+        its runs may be kept, but it was not stopped."""
+        import mlflow
+
+        stopped_id, current = run.data.tags.get(STUDY_TAG), current_study()
+        if not stopped_id or current is None or stopped_id in (current.id, *self._superseded):
+            return
+        self._superseded.add(stopped_id)
+        members = [r for runs in self._runs(experiment).values() for r in runs
+                   if r.data.tags.get(STUDY_TAG) == stopped_id]
+        if all(r.info.status == "FINISHED" for r in members if PARENT_TAG not in r.data.tags):
+            return
+        client = mlflow.MlflowClient()
+        for member in members:
+            if member.info.status == "FINISHED" or SUPERSEDED_TAG in member.data.tags:
+                continue
+            client.set_tag(member.info.run_id, SUPERSEDED_TAG, current.id)
+            if member.info.status in ("RUNNING", "SCHEDULED"):  # the lock says no resume runs it now
+                client.set_terminated(member.info.run_id, "KILLED")
+
+    def supersede_tunings(self, experiment: str) -> None:
+        """After the current study's tunings: the stopped studies whose tuning they went on with
+        (the same Optuna study, ``pfl.tune.study``) are continued by it (:meth:`supersede`)."""
+        current = current_study()
+        if current is None:
+            return
+        self._by_name.pop(experiment, None)  # read again: the tunings' own runs are new
+        runs = [r for named in self._runs(experiment).values() for r in named if TUNING_TAG in r.data.tags]
+        tunings = {r.data.tags[TUNING_TAG] for r in runs if r.data.tags.get(STUDY_TAG) == current.id}
+        for run in runs:
+            if run.data.tags[TUNING_TAG] in tunings:
+                self.supersede(run, experiment)
 
     @staticmethod
     def _version() -> str:
@@ -208,6 +263,78 @@ class Reuse:
             commit = f", written at git commit {was['git_commit'][:12]}" if was.get("git_commit") else ""
             warning_line(f"{name}: kept run {earlier.run.info.run_id} of a stopped study, which ran with other code "
                          f"(the source of pfl_core or of the spec's plugins changed since{commit})")
+
+
+class ResumeLock:
+    """The lock one ``pfl-run SPEC --resume`` holds on a study (a store and an experiment) while it
+    continues it: ``<store file>.resume-<experiment's hash>.lock`` beside a SQLite store, else in
+    the temporary folder (one machine's resumes). Not the store's own ``<store>.lock``, which a
+    new store's creation holds for moments: a resume holds this one for hours. filelock's lock
+    (flock) is the process's: the system releases it when the process ends, killed or not. The
+    holder's pid is written beside it (``.pid``) for the refusal to name."""
+
+    def __init__(self, uri: str, experiment: str) -> None:
+        from filelock import FileLock
+
+        self.uri, self.experiment = uri, experiment
+        digest = hashlib.sha256(experiment.encode()).hexdigest()[:12]
+        db = sqlite_file(uri)
+        if db is not None:
+            db = db.resolve()
+            self.path = db.with_name(f"{db.name}.resume-{digest}.lock")
+        else:
+            key = hashlib.sha256(f"{uri}\0{experiment}".encode()).hexdigest()[:16]
+            self.path = Path(tempfile.gettempdir()) / f"pfl-resume-{key}.lock"
+        self.holder = self.path.with_suffix(".pid")
+        self._lock = FileLock(str(self.path))
+
+    def acquire(self) -> None:
+        """Take the lock now, or raise PflError naming the process that holds it."""
+        from filelock import Timeout
+
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise PflError(self._held_line()) from None
+        except OSError as exc:
+            raise PflError(f"tracking.uri {self.uri}: cannot take the lock {self.path} that keeps two "
+                           f"--resume of a study apart ({exc.strerror or exc})") from None
+        with contextlib.suppress(OSError):  # the pid only makes the refusal's line more useful
+            self.holder.write_text(f"{os.getpid()}\n")
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.holder.unlink(missing_ok=True)
+        self._lock.release()
+
+    def _held_line(self) -> str:
+        try:
+            pid = int(self.holder.read_text().strip())
+        except (OSError, ValueError):  # it has not written it yet
+            pid = None
+        who = f" (pid {pid})" if pid is not None and process_running(pid) else ""
+        return (f"another pfl-run --resume{who} is continuing this study of experiment {self.experiment!r} in "
+                f"{self.uri}; wait for it to end, and run this command again only if it stops before it is done "
+                f"(lock {self.path})")
+
+
+def hold_resume_locks(points: list, tracking_uri: str | None) -> contextlib.ExitStack:
+    """The :class:`ResumeLock` of every store and experiment the points log to, taken now (a
+    PflError when another resume holds one); closing the returned stack releases them."""
+    import mlflow
+
+    wanted = sorted({(tracking_uri or p.resolved.spec.tracking.uri or mlflow.get_tracking_uri(),
+                      p.resolved.spec.tracking.experiment or p.resolved.spec.experiment.name) for p in points})
+    held = contextlib.ExitStack()
+    try:
+        for uri, experiment in wanted:
+            lock = ResumeLock(uri, experiment)
+            lock.acquire()
+            held.callback(lock.release)
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def client_rows(trained: list[dict], table: Path, coldstart: int) -> list[dict]:

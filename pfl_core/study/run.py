@@ -3,6 +3,7 @@ comparison, and write ``--out``; every step below is its own module of this pack
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import attrs
@@ -12,6 +13,7 @@ from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.study.points import (
     PointResult,
+    build_key,
     check_compare_to,
     check_every_point_builds,
     reference_points,
@@ -22,7 +24,7 @@ from pfl_core.study.points import (
 )
 from pfl_core.study.report import dry_run_report, left_out_line, print_comparison, print_locations, print_point
 from pfl_core.study.results import ResultsDir, check_target, dumps_spec
-from pfl_core.study.reuse import Reuse
+from pfl_core.study.reuse import Reuse, hold_resume_locks
 from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_study_figures, run_point
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
 from pfl_core.tracking.store_check import check_store
@@ -84,18 +86,23 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 tracking_uri, *study_params(points), parent=top_level > 1, tuned=bool(plans))
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
     correction = points[0].resolved.spec.report.correction
-    results_dir = None
-    if out_dir is not None:  # the spec validated: now the directory may be created
-        check_target(out_dir, overwrite)
-        results_dir = ResultsDir(out_dir, overwrite)
-        results_dir.start(dumps_spec(raw))
-        for label, ref in references:
-            results_dir.write_point(label, ref.resolved.toml())
-        for point, name in zip(points, names):
-            results_dir.write_point(name, point.resolved.toml())
-
-    # the store's finished runs are looked up only where there is a store
+    # the store's finished runs are looked up only where there is a store; one SPEC --resume of a
+    # study at a time: while another continues it, this one is refused here, before it writes anything
     reuse = Reuse() if resume and points[0].resolved.spec.tracking.enabled else None
+    resume_locks = hold_resume_locks(points, tracking_uri) if reuse is not None else contextlib.ExitStack()
+    results_dir = None
+    try:
+        if out_dir is not None:  # the spec validated: now the directory may be created
+            check_target(out_dir, overwrite)
+            results_dir = ResultsDir(out_dir, overwrite)
+            results_dir.start(dumps_spec(raw))
+            for label, ref in references:
+                results_dir.write_point(label, ref.resolved.toml())
+            for point, name in zip(points, names):
+                results_dir.write_point(name, point.resolved.toml())
+    except BaseException:
+        resume_locks.close()
+        raise
     counter = RunCounter(sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points]))
     ref_results: list[PointResult] = []
     results: list[PointResult] = []
@@ -120,6 +127,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 if results_dir is not None:
                     results_dir.write_tuned(names[i], tuned_spec_toml(tuned))
             del cache
+            if reuse is not None:  # the stopped studies whose tunings these went on with are over
+                reuse.supersede_tunings(points[0].resolved.spec.tracking.experiment
+                                        or points[0].resolved.spec.experiment.name)
         for label, ref in references:
             ref_results.append(run_point(ref, label, tracking_uri, quiet, out, partial, counter, reuse))
             print_point(ref_results[-1], out, clients)
@@ -164,6 +174,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             except Exception as write_error:  # never hide the failure that stopped the runs
                 print(f"could not write the partial results to {out_dir}: {write_error}", file=sys.stderr)
         raise
+    finally:
+        resume_locks.close()  # however the study ended
     if results_dir is not None:
         results_dir.write_results(shown, compare_to, correction=correction)
     if not quiet:  # --quiet: the summaries and the comparison only
@@ -191,8 +203,11 @@ def check_size(points: list, references: list, dry_run: bool, yes: bool, plans: 
     size = (f"{len(points)} sweep point(s) x {seeds} seed(s)" + (f" and {len(references)} reference run(s)"
                                                                  if references else "")
             + (f" after {trials} tuning trial runs" if trials else "") + f": {runs + trials} runs")
-    if dry_run:
-        print(f"note: a dry run of {size}; each point's data is partitioned and its models built", file=sys.stderr)
+    if dry_run:  # the size the real run is refused at, and what this dry run now spends its time on
+        needs = "--yes is given" if yes else "the real run needs --yes"
+        builds = len({build_key(point) for point in points})
+        print(f"note: a dry run of {size}, more than {LARGE_STUDY}: {needs}; all {len(points)} points are checked, "
+              f"building the data and models of their {builds} distinct setting(s)", file=sys.stderr)
     elif not yes:
         raise PflError(f"the spec is a study of {size}, more than {LARGE_STUDY}; run it with --yes, or narrow it "
                        f"with --set / --sweep (--dry-run checks it first)")

@@ -14,23 +14,23 @@ import datetime
 import io
 import math
 import os
-from pathlib import Path
 
 import attrs
 
 from pfl_core.engine import RunResult
 from pfl_core.errors import PflError, did_you_mean
+from pfl_core.state.locations import plain_uri, sqlite_file
 from pfl_core.study.compare import adjust_gains, comparisons
 from pfl_core.study.points import PointResult
 from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
+from pfl_core.study.reuse import SUPERSEDED_TAG, TUNING_TAG
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
 from pfl_core.study.stats import Summary, adjust, paired_difference, summarize
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
 
 DEFAULT_STORE = "sqlite:///mlflow.db"
-TUNING_TAG = "pfl.tune.study"
 TRIAL_TAG = "pfl.tune.trial"
 REFERENCE = " (reference)"
 # Worst first: a study is as finished as its least finished run.
@@ -49,22 +49,30 @@ class StoredStudy:
     tuned: bool
     status: str
     runs: list = attrs.field(repr=False)  # every MLflow run of the study
+    continued_by: str = ""  # the study a `pfl-run SPEC --resume` continued this stopped one in
 
     @property
     def date(self) -> str:
         return datetime.datetime.fromtimestamp(self.started / 1000).strftime("%Y-%m-%d %H:%M")
+
+    @property
+    def state(self) -> str:
+        """The status as ``pfl results`` shows it: MLflow's, or ``stopped (continued by ID)``."""
+        if self.continued_by and self.status != "FINISHED":
+            return f"stopped (continued by {self.continued_by})"
+        return self.status
 
 
 def store_uri(tracking_uri: str | None) -> str:
     """The store to read: --tracking-uri, else $MLFLOW_TRACKING_URI, else ./mlflow.db. A SQLite
     file that does not exist is an error (MLflow would create an empty one)."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_STORE
-    if uri.startswith("sqlite:///"):
-        path = Path(uri.removeprefix("sqlite:///"))
+    path = sqlite_file(uri)
+    if path is not None:
         if not path.is_file():
             raise PflError(f"--tracking-uri: no MLflow store at {uri} ({path} does not exist); run pfl results where "
                            f"pfl-run ran, or give --tracking-uri")
-    return uri
+    return plain_uri(uri)
 
 
 def studies(client) -> list[StoredStudy]:
@@ -89,7 +97,8 @@ def studies(client) -> list[StoredStudy]:
             study_id, members[0][0], min(r.info.start_time for r in study_runs),
             list(dict.fromkeys(p.data.tags.get("algorithm", "?") for p in points)),
             seeds, any(TUNING_TAG in r.data.tags for r in study_runs),
-            min(statuses, key=lambda s: STATUS_ORDER.index(s) if s in STATUS_ORDER else 0), study_runs))
+            min(statuses, key=lambda s: STATUS_ORDER.index(s) if s in STATUS_ORDER else 0), study_runs,
+            next((r.data.tags[SUPERSEDED_TAG] for r in study_runs if SUPERSEDED_TAG in r.data.tags), "")))
     return sorted(found, key=lambda s: s.started)
 
 
@@ -396,7 +405,7 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
             print(f"no pfl study in {uri}", file=out)
             return 0
         rows = [[s.id, s.date, s.experiment, ", ".join(s.methods), len(s.seeds) or 1, "yes" if s.tuned else "no",
-                 s.status, len(s.runs)] for s in reversed(found)]
+                 s.state, len(s.runs)] for s in reversed(found)]
         print_table(["study", "date", "experiment", "methods", "seeds", "tuned", "status", "runs"], rows, out)
         return 0
     study = find(found, wanted)
@@ -419,7 +428,7 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
     elif fmt == "csv":
         out.write(csv_text(table))
     else:
-        print(f"study {study.id}: experiment {study.experiment!r}, {study.date}, {study.status}", file=out)
+        print(f"study {study.id}: experiment {study.experiment!r}, {study.date}, {study.state}", file=out)
         if table.tuned:
             print(table.tuned, file=out)
         print_comparison(table.results, table.compare_to, out, table.correction, table.budget, table.left_out)

@@ -50,7 +50,7 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.errors import NonFiniteError, PflError, SpecError, Stopped
 from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
-from pfl_core.state.locations import beside_store
+from pfl_core.state.locations import beside_store, sqlite_uri
 from pfl_core.study.points import Point
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
@@ -239,7 +239,7 @@ def storage_url(point: Point, tracking_uri: str | None) -> str:
     """Optuna's storage: ``optuna.db`` beside the MLflow store (or here without tracking)."""
     tracking = point.resolved.spec.tracking
     folder = beside_store((tracking_uri or tracking.uri or None) if tracking.enabled else None)
-    return f"sqlite:///{(folder / STORAGE_FILE).resolve()}"
+    return sqlite_uri((folder / STORAGE_FILE).resolve())
 
 
 def study_name(plan: TuningPlan) -> str:

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -74,19 +75,42 @@ def short_http(force: dict[str, str] | None = None) -> Iterator[None]:
 UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
+# MLflow's error codes for a store that is busy or away, whatever kind of store raised them (a SQLite
+# store says TEMPORARILY_UNAVAILABLE for a locked or full database); every other code is a refusal.
+TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "DEADLINE_EXCEEDED", "REQUEST_LIMIT_EXCEEDED", "RESOURCE_EXHAUSTED"}
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether a tracking call failed because the store is away, overloaded or cannot be written
-    (connection refused or reset, timeout, HTTP 5xx or 429, SQLite "database is locked", a full
-    or read-only disk under the store or its artifacts), not because the call itself is wrong
-    (HTTP 4xx: a bad value, an unknown run), which is raised as before."""
+    (connection refused or reset, timeout, a tracking server's HTTP 5xx or 429, SQLite "database
+    is locked", a full or read-only disk under the store or its artifacts), not because the store
+    refuses the call itself (a changed param, a deleted or unknown run, a value it cannot hold),
+    which is raised as before. MLflow wraps the error it met in its own exception: the chain of
+    causes is read."""
     from mlflow.exceptions import MlflowException
 
+    if any(_store_away(cause) for cause in _causes(exc)):
+        return True
+    if not isinstance(exc, MlflowException):
+        return False
+    if exc.error_code in TRANSIENT_CODES:
+        return True
+    # A server's 5xx (its database locked, a proxy before it down) is an outage; the same code
+    # raised here by a local store (INTERNAL_ERROR around a value SQLite cannot hold) is a refusal.
+    return _from_server(exc) and exc.get_http_status_code() >= 500
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _store_away(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
         return True
-
-    if isinstance(exc, MlflowException):
-        status = exc.get_http_status_code()
-        return status >= 500 or status == 429
     try:
         import requests
 
@@ -96,7 +120,16 @@ def is_outage(exc: BaseException) -> bool:
         pass
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
-    return type(exc).__name__ == "OperationalError" and type(exc).__module__.startswith("sqlalchemy")
+    # SQLite's locked, full or read-only database (sqlite3's own, or as SQLAlchemy raises it)
+    return type(exc).__name__ == "OperationalError" and type(exc).__module__.startswith(("sqlalchemy", "sqlite3"))
+
+
+def _from_server(exc) -> bool:
+    """An MLflow exception made of a tracking server's answer (its JSON error, or an HTTP error
+    page of a proxy before it)."""
+    from mlflow.exceptions import RestException
+
+    return isinstance(exc, RestException) or str(exc.message).startswith("API request to")
 
 
 def reason(exc: BaseException) -> str:
@@ -193,17 +226,30 @@ class Journal:
     def replay(self, client, keep: Callable[[dict], bool] = lambda record: True) -> int:
         """Send the records (those ``keep`` accepts; the others are dropped) to ``client``
         (an ``MlflowClient``) in order, consecutive metrics of a run in one batch. On a failure
-        the records not sent are written back and the exception propagates; when all are sent,
-        the folder is deleted. Returns the number of records sent."""
+        the records not sent are written back and the exception propagates (a record the store
+        refuses as :class:`RecordRefused`, first in the journal); when all are sent, the folder
+        is deleted. Returns the number of records sent."""
         records = [r for r in self.records() if keep(r)]
         sent = 0
         try:
             while sent < len(records):
                 group = batch_group(records, sent)
-                if group > 1:
-                    send_batch(client, records[sent:sent + group])
-                else:
-                    send(client, records[sent], self.folder)
+                try:
+                    if group > 1:
+                        send_batch(client, records[sent:sent + group])
+                    else:
+                        send(client, records[sent], self.folder)
+                except PflError:
+                    raise
+                except Exception as exc:
+                    if is_outage(exc):
+                        raise
+                    # refused: the group again record by record, key by key, so what the store
+                    # takes is sent and what it refuses is named (RecordRefused)
+                    for record in records[sent:sent + group]:
+                        send_alone(client, record, self.folder)
+                        sent += 1
+                    continue
                 sent += group
         except BaseException:
             self._rewrite(records[sent:])
@@ -280,6 +326,54 @@ def send(client, record: dict, folder: Path | None = None) -> None:
         raise PflError(f"unknown journal record {op!r} (written by another pfl version?)")
 
 
+class RecordRefused(Exception):
+    """The store refused one record of a journal (``key``: the param, metric or tag it refused)
+    for ``cause``, MLflow's error: not an outage, retrying cannot send it."""
+
+    def __init__(self, record: dict, key, cause: BaseException):
+        self.record, self.key, self.cause = record, key, cause
+        super().__init__(f"{describe(record, key)}: {refusal_reason(cause)}")
+
+
+def send_alone(client, record: dict, folder: Path | None = None) -> None:
+    """Send one record of a refused batch, params and metrics key by key: returns when the store
+    took all of it, raises :class:`RecordRefused` naming the first key it refuses. What it took
+    before that is not stored twice on the next replay (params and tags are idempotent, a metric
+    keeps its timestamp)."""
+    op = record["op"]
+    if op in ("params", "metrics"):
+        parts = [(key, {**record, op: {key: value}}) for key, value in record[op].items()]
+    else:
+        parts = [(record.get("key"), record)]
+    for key, part in parts:
+        try:
+            send(client, part, folder)
+        except PflError:
+            raise
+        except Exception as exc:
+            if is_outage(exc):
+                raise
+            raise RecordRefused(record, key, exc) from exc
+
+
+REFUSAL_CHARS = 400  # MLflow's reason, whole up to this (a changed param's message holds both values)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """MLflow's own words for a refusal, on one line, with its error code:
+    ``RESOURCE_DOES_NOT_EXIST: Run with id=... not found``."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        text = " ".join(str(exc.message).split())
+        code = str(exc.error_code)
+        if not text.startswith(code):  # a server's answer already starts with its code
+            text = f"{code}: {text}"
+    else:
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= REFUSAL_CHARS else text[:REFUSAL_CHARS - 3] + "..."
+
+
 def artifact_file(folder: Path, record: dict) -> Path:
     """The file an ``artifact`` record sends: one the journal wrote, under its own folder. A
     record naming anything else (an absolute path, ``..``, a link out) is refused: a journal is
@@ -297,14 +391,23 @@ def shown_name(value) -> str:
     return json.dumps(value, ensure_ascii=True)[:120]
 
 
-def describe(record: dict) -> str:
-    """A record in a few words, for an error line."""
-    op = record.get("op")
+def describe(record: dict, key=None) -> str:
+    """A record in a few words, for an error line: its op, the key refused (``key``) and its run:
+    ``params record (key "lr" = "0.2") of run 4f42...``."""
+    op, run_id = record.get("op"), record.get("run_id")
+    values = record.get(op) if op in ("params", "metrics") and isinstance(record.get(op), dict) else {}
     if op == "metrics":
-        return f"metrics of step {record.get('step')} of run {record.get('run_id')}"
-    if op == "artifact":
-        return f"artifact {record.get('file', '').rpartition('/')[2]} of run {record.get('run_id')}"
-    return f"{op} of run {record.get('run_id')}"
+        where = f"metrics record of step {record.get('step')}"
+    elif op == "artifact":
+        where = f"artifact record {shown_name(str(record.get('file', '')).rpartition('/')[2])}"
+    elif op == "end":
+        where = f"end record (status {record.get('status')})"
+    else:
+        where = f"{op} record"
+    if key is not None and op in ("params", "metrics", "tag", "delete_tag"):
+        value = values.get(key, record.get("value")) if op != "delete_tag" else None
+        where += f" (key {shown_name(key)}" + (f" = {shown_name(value)}" if value is not None else "") + ")"
+    return f"{where} of run {run_id}"
 
 
 # -- pfl replay ----------------------------------------------------------------------------------
@@ -321,7 +424,8 @@ def journal_folders(path: Path) -> list[Path]:
 def replay_main(paths: list[str], tracking_uri: str | None = None, out=None) -> int:
     """``pfl replay JOURNAL ... [--tracking-uri URI]``: send what runs could not log. Exit 0
     when everything was sent, 3 when a store is still unreachable (the journals are kept),
-    PflError (exit 2) for a path that holds no journal or a record the store refuses."""
+    PflError (exit 2) for a path that holds no journal or a record the store refuses (named with
+    its op, key, run and MLflow's reason; the journal is kept, that record first)."""
     import mlflow
 
     out = out or sys.stderr
@@ -347,15 +451,18 @@ def replay_main(paths: list[str], tracking_uri: str | None = None, out=None) -> 
                 sent = journal.replay(mlflow.MlflowClient(tracking_uri=uri))
         except PflError:
             raise
+        except RecordRefused as refused:
+            raise PflError(f"{folder}: the store {uri} refused the {refused}; the journal is kept "
+                           f"({len(journal.records())} of {count} records left, this one first)") from None
         except Exception as exc:
-            if not is_outage(exc):
-                left = journal.records()
-                what = describe(left[0]) if left else "a record"
-                raise PflError(f"{folder}: the store {uri} refused the {what}: {reason(exc)}; the journal "
+            if not is_outage(exc):  # refused before any record (the store itself)
+                raise PflError(f"{folder}: the store {uri} refused the journal: {refusal_reason(exc)}; the journal "
                                f"is kept") from None
             waiting.append(folder)
-            print(f"pfl replay: {uri} is unreachable ({reason(exc)}); {folder} is kept "
-                  f"({len(journal.records())} of {count} records left)", file=out)
+            store = "tracking server" if uri.startswith(("http://", "https://")) else "tracking store"
+            print(f"pfl replay: {store} {uri} {failing(uri)} ({reason(exc)}); {folder} is kept "
+                  f"({len(journal.records())} of {count} records left): run pfl replay "
+                  f"{shlex.quote(str(folder))} again {when_back(uri)}", file=out)
             continue
         print(f"pfl replay: sent {sent} records to {uri}; {folder} removed", file=out)
     return 3 if waiting else 0

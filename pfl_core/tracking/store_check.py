@@ -4,13 +4,14 @@ start on it at the same time."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import uuid
 from pathlib import Path
 
 from pfl_core.errors import PflError
-from pfl_core.state.locations import process_running, sqlite_file
+from pfl_core.state.locations import plain_uri, process_running, sqlite_file, sqlite_uri
 from pfl_core.tracking import journal
 from pfl_core.tracking.tracker import one_line, quiet_mlflow
 
@@ -33,7 +34,7 @@ def check_store(section, uri_override: str | None = None, create: bool = True) -
         return
     import mlflow
 
-    uri = uri_override or section.uri or mlflow.get_tracking_uri()
+    uri = plain_uri(uri_override or section.uri or mlflow.get_tracking_uri())
     if uri.startswith(("http://", "https://")):
         _probe_server(uri)
     elif uri.startswith("sqlite:///"):
@@ -41,7 +42,9 @@ def check_store(section, uri_override: str | None = None, create: bool = True) -
         create_sqlite_store(uri)
 
 
-CREATING = re.compile(r"^\.(.+)\.creating-(\d+)-[0-9a-f]+$")
+# the temporary store of a creation, and the files SQLite writes beside it while it is written
+CREATING = re.compile(r"^\.(.+)\.creating-(\d+)-[0-9a-f]+(?:-journal|-wal|-shm)?$")
+SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
 
 
 def create_sqlite_store(uri: str) -> None:
@@ -66,13 +69,17 @@ def create_sqlite_store(uri: str) -> None:
                 import mlflow
 
                 quiet_mlflow()
-                mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp.resolve()}").search_experiments(max_results=1)
+                mlflow.MlflowClient(tracking_uri=sqlite_uri(tmp.resolve())).search_experiments(max_results=1)
                 os.replace(tmp, db)
             finally:
-                tmp.unlink(missing_ok=True)
-    except OSError as exc:
+                for path in (tmp, *(tmp.with_name(tmp.name + side) for side in SQLITE_SIDE_FILES)):
+                    path.unlink(missing_ok=True)
+    except Exception as exc:  # OSError, or SQLAlchemy's OperationalError "database or disk is full"
+        if not (isinstance(exc, OSError) or journal.is_outage(exc)):
+            raise
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else journal.reason(exc)
         raise PflError(f"tracking.uri {uri}: the store cannot be created in {db.parent} "
-                       f"({exc.strerror or exc}); give another tracking.uri, or run with --no-tracking") from None
+                       f"({why}); give another tracking.uri, or run with --no-tracking") from None
 
 
 def _has_content(db: Path) -> bool:
@@ -80,10 +87,11 @@ def _has_content(db: Path) -> bool:
 
 
 def _remove_abandoned(db: Path) -> None:
-    """Temporary stores of creations that were killed (their process is gone)."""
-    for path in db.parent.glob(f".{db.name}.creating-*"):
+    """Temporary stores of creations that were killed (their process is gone), with SQLite's
+    rollback journal beside them."""
+    for path in db.parent.glob(f".{glob.escape(db.name)}.creating-*"):
         found = CREATING.match(path.name)
-        if found and not process_running(int(found.group(2))):
+        if found and found.group(1) == db.name and not process_running(int(found.group(2))):
             path.unlink(missing_ok=True)
 
 
@@ -116,6 +124,7 @@ def _check_sqlite(uri: str, check_revision: bool = True) -> None:
     """Read-only look at a SQLite store (never modified here); ``revision``: also compare its
     schema revision with this MLflow's (``check_revision``; it imports MLflow)."""
     import sqlite3
+    from urllib.parse import quote
 
     db = sqlite_file(uri)
     if db is None:
@@ -136,7 +145,8 @@ def _check_sqlite(uri: str, check_revision: bool = True) -> None:
     if db.stat().st_size == 0:
         return  # an empty file: MLflow creates its tables in it
     try:
-        con = sqlite3.connect(f"file:{db.resolve()}?mode=ro", uri=True, timeout=5)
+        # a SQLite URI filename: a '%', '?' or '#' in the path is percent-encoded
+        con = sqlite3.connect(f"file:{quote(str(db.resolve()))}?mode=ro", uri=True, timeout=5)
         try:
             tables = {row[0] for row in con.execute("select name from sqlite_master where type = 'table'")}
             revision = (con.execute("select version_num from alembic_version").fetchall()

@@ -3,6 +3,7 @@ people, and where the tracked runs are."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from pfl_core.tracking import journal
@@ -131,7 +132,7 @@ def experiment_location(spec, study_id: str | None = None) -> str | None:
     if uri.startswith(("http://", "https://")):
         charts, table = runs_links(uri, id, study_id)
     else:
-        lines.append(f"  view: mlflow ui --backend-store-uri {uri}   then open")
+        lines.append(f"  view: mlflow ui --backend-store-uri {shlex.quote(uri)}   then open")
         charts, table = runs_links("http://127.0.0.1:5000", id, study_id)
     lines += [f"  charts: {charts}", f"  table:  {table}"]
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pfl_core._version import version_tags
 from pfl_core.errors import PflError, Stopped, deferred_interrupts
-from pfl_core.state.locations import artifact_root_for
+from pfl_core.state.locations import artifact_root_for, plain_uri
 from pfl_core.tracking import journal
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG, VIEW_TAG, key_metrics_view
 
@@ -116,7 +116,8 @@ class MlflowTracker(NullTracker):
 
         quiet_mlflow()
         self.mlflow = mlflow
-        if uri:
+        uri = plain_uri(uri or mlflow.get_tracking_uri())  # MLflow's default too: percent-encoded
+        if uri != mlflow.get_tracking_uri():
             mlflow.set_tracking_uri(uri)
         self.study = study
         self.run_id = None

@@ -58,7 +58,7 @@ import torch
 from attrs import define, field
 from torch.func import functional_call
 
-from pfl_core.api import LocalWork, between, finite, greater_than, hookimpl, load_state
+from pfl_core.api import LocalWork, between, finite, hookimpl, learning_rate, load_state
 from pfl_plugins.fedavg import FedAvg
 
 
@@ -70,7 +70,7 @@ class APFLParams:
     adaptive: bool = field(default=True, metadata={
         "doc": "learn alpha_i by a gradient step per batch, projected onto [0, 1]; false: fixed "
                "(1 is Local, 0 FedAvg)"})
-    alpha_lr: Optional[float] = field(default=None, validator=[finite, greater_than(0)], metadata={
+    alpha_lr: Optional[float] = field(default=None, validator=learning_rate, metadata={
         "doc": "step size of alpha's gradient step; none: training.lr (the paper uses one step size "
                "for w, v and alpha)"})
 

@@ -82,8 +82,8 @@ from pfl_core.api import (
     between,
     clone_state,
     finite,
-    greater_than,
     hookimpl,
+    learning_rate,
     load_state,
     numpy_rng,
     one_of,
@@ -96,7 +96,7 @@ DOWNLOAD_THRESHOLD = 1.5  # the smallest base of base^|p_ij| (the authors' thres
 
 @define
 class APPLEParams:
-    p_lr: float = field(default=0.001, validator=[finite, greater_than(0)], metadata={
+    p_lr: float = field(default=0.001, validator=learning_rate, metadata={
         "doc": "step size of the DR vector p_i (Eq. 6); the authors' default"})
     mu: float = field(default=0.1, validator=[finite, at_least(0)], metadata={
         "doc": "mu of the regulariser mu lambda(r) ||p_i - p_0||^2 (Eq. 7, without its 1/2, as the authors' "

@@ -56,9 +56,9 @@ from pfl_core.api import (
     described,
     distill,
     finite,
-    greater_than,
     hookimpl,
     kl_to_target,
+    learning_rate,
     load_state,
     mean_l1_distances,
     predict,
@@ -88,7 +88,7 @@ class CosmosParams(CodistillParams):
                                metadata={"doc": "server model epochs on U in round 1"})
     server_finetune_epochs: int = field(default=1, validator=at_least(0),
                                         metadata={"doc": "server model epochs on U in every later round"})
-    server_lr: float = field(default=1e-3, validator=[finite, greater_than(0)],
+    server_lr: float = field(default=1e-3, validator=learning_rate,
                              metadata={"doc": "the server models' Adam step size"})
     lam: float = field(default=5.0, validator=[finite, at_least(0)],
                        metadata={"doc": "lambda, weight of the consistency term of Eq. (1) and (2)"})
@@ -179,6 +179,9 @@ class Cosmos(PublicPredictionMethod):
             raise SpecError("experiment.participation",
                             f"{self.name} clusters every client once, on the round-1 uploads: "
                             f"needs participation = 1, got {spec.experiment.participation}")
+
+    def server_archs(self, spec):
+        return {self.params.server_arch: f"{self.spec_path}.params.server_arch"}
 
     @hookimpl
     def setup(self, ctx):

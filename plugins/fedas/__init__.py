@@ -64,9 +64,8 @@ from pfl_core.api import (
     at_least,
     capture_embedding,
     clone_state,
-    finite,
-    greater_than,
     hookimpl,
+    learning_rate,
     load_state,
     local_prototypes,
     one_of,
@@ -80,7 +79,7 @@ from pfl_plugins.fedpac import ClassifierSplit
 class FedASParams:
     align_epochs: int = field(default=1, validator=at_least(0), metadata={
         "doc": "epochs of parameter alignment (A2) a round, before training; 0 switches it off"})
-    align_lr: float = field(default=0.01, validator=[finite, greater_than(0)],
+    align_lr: float = field(default=0.01, validator=learning_rate,
                             metadata={"doc": "alignment step size (A2), plain SGD"})
     fisher: str = field(default="all", validator=one_of("all", "body"), metadata={
         "doc": "the parameters whose Fisher trace weights the average (A3)"})

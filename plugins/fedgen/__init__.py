@@ -92,9 +92,9 @@ from pfl_core.api import (
     between,
     classifier,
     finite,
-    greater_than,
     head_keys,
     hookimpl,
+    learning_rate,
     load_state,
 )
 from pfl_plugins.feddbe import FedDBE
@@ -116,7 +116,7 @@ class FedGenParams:
         "doc": "size of the generator's noise eps ~ N(0, I)"})
     hidden: int = field(default=256, validator=at_least(1), metadata={
         "doc": "the generator's hidden width: [eps, one-hot(y)] -> hidden -> BatchNorm -> ReLU -> K"})
-    generator_lr: float = field(default=3e-4, validator=[finite, greater_than(0)], metadata={
+    generator_lr: float = field(default=3e-4, validator=learning_rate, metadata={
         "doc": "the generator's Adam learning rate (F3)"})
     generator_steps: int = field(default=50, validator=at_least(0), metadata={
         "doc": "Adam steps on the generator each round, on the server (F3); each a batch of "

@@ -83,12 +83,12 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import SpecError, WeightAveraging, finite, greater_than, hookimpl, weighted_average
+from pfl_core.api import SpecError, WeightAveraging, hookimpl, learning_rate, weighted_average
 
 
 @define
 class FedNovaParams:
-    server_lr: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+    server_lr: float = field(default=1.0, validator=learning_rate, metadata={
         "doc": "eta_g, the server's step size: x_{t+1} = x_t - eta_g * tau_eff * sum_i p_i d_i (Eq. 4 with "
                "w_i = p_i, Section 5); 1 is "
                "the paper's FedNova, and with equal local steps FedAvg's aggregate"})

@@ -59,7 +59,7 @@ from typing import ClassVar
 import torch
 from attrs import define, field
 
-from pfl_core.api import between, finite, greater_than, hookimpl, per_run, weighted_average
+from pfl_core.api import between, finite, greater_than, hookimpl, learning_rate, per_run, weighted_average
 from pfl_plugins.fedavg import FedAvg
 
 ETA_DOC = ("eta, the server learning rate of Algorithm 2's update x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau). "
@@ -78,7 +78,7 @@ def _beta2(doc: str):
 
 
 def _server_lr(default: float, doc: str = ETA_DOC):
-    return field(default=default, validator=[finite, greater_than(0)], metadata={"doc": doc})
+    return field(default=default, validator=learning_rate, metadata={"doc": doc})
 
 
 def _tau():

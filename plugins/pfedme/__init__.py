@@ -67,6 +67,7 @@ from pfl_core.api import (
     finite,
     greater_than,
     hookimpl,
+    learning_rate,
     load_state,
     mean_training_loss,
     proximal_term,
@@ -88,7 +89,7 @@ class PFedMeParams:
     lam: float = field(default=15.0, validator=[finite, greater_than(0)],
                        metadata={"doc": "lambda of the Moreau envelope (the paper's MNIST setting)"})
     k: int = field(default=5, validator=at_least(1), metadata={"doc": "K, inner steps per local step"})
-    personal_lr: float = field(default=0.09, validator=[finite, greater_than(0)], metadata={
+    personal_lr: float = field(default=0.09, validator=learning_rate, metadata={
         "doc": "step size of the inner steps (the configured optimiser at this rate)"})
     beta: float = field(default=1.0, validator=[finite, _moves_the_global_model], metadata={
         "doc": "server step (1 - beta) w + beta * average; 1 is plain averaging (the paper also uses 2)"})

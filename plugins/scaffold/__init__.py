@@ -52,12 +52,12 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import SpecError, WeightAveraging, add_to_gradients, finite, greater_than, hookimpl, weighted_average
+from pfl_core.api import SpecError, WeightAveraging, add_to_gradients, hookimpl, learning_rate, weighted_average
 
 
 @define
 class ScaffoldParams:
-    server_lr: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+    server_lr: float = field(default=1.0, validator=learning_rate, metadata={
         "doc": "eta_g, the global step size of Eq. 5: x <- x + eta_g * (weighted mean of y_i - x); 1 "
                "takes the mean (FedAvg's server step), as NIID-Bench's SCAFFOLD always does"})
 
