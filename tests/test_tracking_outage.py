@@ -477,3 +477,27 @@ def test_which_store_errors_are_outages():
                 ValueError("could not convert string to float: 'abc'"), OSError(13, "Permission denied")]
     assert [journal.is_outage(exc) for exc in outages] == [True] * len(outages)
     assert [journal.is_outage(exc) for exc in refusals] == [False] * len(refusals)
+
+
+def test_a_run_whose_journal_the_store_refuses_says_refused_not_unreachable(tmp_path, empty_sqlite_store, capsys):
+    """The end of a run replays its journal one last time: a record the store refuses (a param
+    changed meanwhile) is said as a refusal with the command that names it, not as a store
+    that "still cannot be written" (it can: waiting would never send that record)."""
+    import mlflow
+
+    from pfl_core.tracking.tracker import MlflowTracker
+
+    shutil.copyfile(empty_sqlite_store, tmp_path / "store.db")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = MlflowTracker(uri)
+    tracker.start("refused", "r", {"lr": "0.1"}, {})
+    run_id = tracker.run_id
+    tracker.journal = journal.Journal(tmp_path / "journal", uri)  # what an outage left: a changed param
+    tracker.journal.add({"op": "params", "run_id": run_id, "params": {"lr": "0.2"}})
+    tracker.end()
+    mlflow.set_tracking_uri(None)
+    err = capsys.readouterr().err
+    assert f"refused a call of run {run_id}" in err and "INVALID_PARAMETER_VALUE" in err, err
+    assert f"pfl replay {tmp_path / 'journal'} names the record refused" in err
+    assert "cannot be written" not in err and "unreachable" not in err
+    assert journal.Journal(tmp_path / "journal", uri).pending()  # kept

@@ -129,6 +129,7 @@ class MlflowTracker(NullTracker):
         self.next_retry = 0.0
         self.last_step: int | None = None
         self.refusal_said = False
+        self.last_refusal: str | None = None  # the last replay failed because the store refused a record: why
         self.parent_run_id: str | None = None  # when not this thread's active run (parallel trials)
         self.point_group: str | None = None  # a run the study's comparison lists (POINT_TAG): its group
         # > 0: the run's metrics, params and tags held and sent together at most this often, and
@@ -283,9 +284,14 @@ class MlflowTracker(NullTracker):
         if self._journal_pending():
             folder = self.journal.folder
             journal.UNSENT.append(folder)
-            self._say(f"the {self._store()} {journal.failing(self._uri(), still=True)}: what run {self.run_id} could "
-                      f"not log (metrics, artifacts, its status) is kept in {folder}; send it {journal.when_back(self._uri())} "
-                      f"with: pfl replay {shlex.quote(str(folder))}")
+            if self.last_refusal is not None:  # the store is there but refuses a record: waiting will not send it
+                self._say(f"the {self._store()} refused a call of run {self.run_id} ({self.last_refusal}): what it "
+                          f"could not log is kept in {folder}; pfl replay {shlex.quote(str(folder))} names the record "
+                          f"refused and sends the rest")
+            else:
+                self._say(f"the {self._store()} {journal.failing(self._uri(), still=True)}: what run {self.run_id} "
+                          f"could not log (metrics, artifacts, its status) is kept in {folder}; send it "
+                          f"{journal.when_back(self._uri())} with: pfl replay {shlex.quote(str(folder))}")
         self.run_id = None
 
     # -- the journal of calls the store missed ----------------------------------------------------
@@ -406,7 +412,8 @@ class MlflowTracker(NullTracker):
                 self.journal.replay(self.mlflow.MlflowClient(), keep)
         except Exception as exc:
             self._retry_later(time.monotonic() - started)
-            if not journal.is_outage(exc) and not self.refusal_said:  # kept; `pfl replay` names it
+            self.last_refusal = None if journal.is_outage(exc) else journal.reason(exc)
+            if self.last_refusal is not None and not self.refusal_said:  # kept; `pfl replay` names it
                 self.refusal_said = True
                 self._say(f"the tracking store {self._uri()} refuses a journaled call ({journal.reason(exc)}); "
                           f"it stays in {self.journal.folder}")
