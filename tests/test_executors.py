@@ -369,7 +369,7 @@ def test_workers_die_with_a_killed_run(tmp_path):
         "sys.path[:0] = [%r, %r]\n"
         "from pfl_core.execution import ProcessExecutor\n"
         "def slow(i):\n"
-        "    print(os.getpid(), flush=True)\n"
+        "    os.write(1, str(os.getpid()).encode() + b'\\n')  # one write: two workers' lines never interleave\n"
         "    time.sleep(60)\n"
         "executor = ProcessExecutor(2)\n"
         "executor.CHUNK = 1  # one item per task: both workers start at once and say their pid\n"
