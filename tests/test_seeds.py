@@ -14,7 +14,7 @@ from pfl_core.engine import Engine, RunResult, resolve
 from pfl_core.study import stats
 from pfl_core.study import run_spec_file
 from pfl_core.study.points import PointResult
-from pfl_core.study.report import print_comparison
+from pfl_core.study.report import COMPARED, print_comparison
 
 # -- statistics ------------------------------------------------------------------------------
 
@@ -237,10 +237,12 @@ def test_the_points_parent_runs_hold_the_tables_differences_and_the_csv_agrees(t
     client = MlflowClient(tracking_uri=uri)
     by_name = {r.name: r for r in results}
     rows = {(r["run"], r["metric"]): r for r in csv.DictReader(open(tmp_path / "o" / "differences.csv"))}
-    family = [stats.paired_difference(by_name[n].values("acc_mean"), by_name["fedavg"].values("acc_mean"))
-              for n in ("local", "fedprox")]
-    holm = stats.adjust(family, "holm")
-    for name, expected in zip(("local", "fedprox"), holm):
+    # the default family (report.correction_family = "table"): every compared metric x both runs
+    compared = [(k, n) for k in COMPARED if k in by_name["fedavg"].summary for n in ("local", "fedprox")]
+    assert len(compared) >= 4
+    family = [stats.paired_difference(by_name[n].values(k), by_name["fedavg"].values(k)) for k, n in compared]
+    holm = dict(zip(compared, stats.adjust(family, "holm")))
+    for name, expected in ((n, holm[("acc_mean", n)]) for n in ("local", "fedprox")):
         m = client.get_run(by_name[name].run_id).data.metrics
         assert m["delta_acc_mean"] == pytest.approx(expected.mean)
         assert m["delta_acc_mean_ci95"] == pytest.approx(expected.ci95)

@@ -144,6 +144,15 @@ def test_a_run_of_another_spec_is_not_kept(stopped, tmp_path, monkeypatch):
     assert calls == SEEDS and "kept" not in printed
 
 
+def test_a_run_of_another_report_setting_is_kept(stopped, tmp_path, monkeypatch):
+    """[report] decides how the table compares runs, never what a run trains: a resume with
+    another correction family keeps the finished run."""
+    spec, uri, _ = stopped
+    calls = counting_runs(monkeypatch)
+    _, printed = run_study(spec, uri, tmp_path, resume=True, overrides=['report.correction_family="metric"'])
+    assert calls == SEEDS[1:] and "kept" in printed
+
+
 def test_a_run_whose_checkpoint_is_gone_runs_again(stopped, tmp_path, monkeypatch):
     spec, uri, first = stopped
     shutil.rmtree(first.data.tags[CHECKPOINT_TAG])

@@ -272,7 +272,8 @@ def test_the_objective_the_header_and_where_the_storage_is():
     assert objective_value(history, "val_acc_mean", "best", "maximize") == 0.7
     assert objective_value(history, "val_loss_mean", "best", "minimize") == 0.4
     assert objective_value(history, "val_loss_mean", "final", "minimize") == 0.4  # rounds without it skipped
-    plans = plan_tuning(resolve_points(tune_raw(trials=7, **{"tracking.enabled": True}), []), ["fedavg", "fedprox"])
+    plans = plan_tuning(resolve_points(tune_raw(trials=7, **{"tracking.enabled": True, "tune.sampler": "tpe"}), []),
+                        ["fedavg", "fedprox"])
     assert describe(plans).startswith("tuned: 7 trials each on val_acc_mean (final), tpe sampler, tuning seeds [2]")
     plans[1].ran = 5  # a grid that ended early
     assert describe(plans).startswith("tuned: trials: fedavg 7, fedprox 5 on val_acc_mean")

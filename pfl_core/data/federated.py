@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pfl_core.data.base import DatasetPlugin, PartitionerPlugin, RawDataset
+from pfl_core.data.splits import TUNING_POOL_SEED, apportion, stratified_split, tuning_pool_mask
 from pfl_core.errors import PflError, SpecError
 from pfl_core.registry import DATASET, PARTITIONER, instantiate
 from pfl_core.seeding import numpy_rng
@@ -25,6 +26,8 @@ __all__ = [
     "build_federated_data",
     "apportion",
     "stratified_split",
+    "tuning_pool_mask",
+    "TUNING_POOL_SEED",
 ]
 
 SPLITS = ("train", "val", "test")
@@ -149,64 +152,6 @@ class FederatedData:
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-def apportion(total: int, weights, caps, rng: np.random.Generator) -> np.ndarray:
-    """Integer counts summing to ``min(total, sum(caps))``, proportional to ``weights``
-    (largest remainder, ties broken by ``rng``), never above ``caps``; what a capped entry
-    cannot take goes to the others in proportion to their weights (uniformly if they all
-    have weight 0)."""
-    weights = np.nan_to_num(np.asarray(weights, dtype=np.float64), nan=0.0, posinf=0.0)
-    weights = np.maximum(weights, 0.0)
-    caps = np.asarray(caps, dtype=np.int64)
-    counts = np.zeros(len(caps), dtype=np.int64)
-    remaining = int(min(total, caps.sum()))
-    while remaining > 0:
-        room = caps - counts
-        active = room > 0
-        w = np.where(active, weights, 0.0)
-        if w.sum() <= 0:
-            w = active.astype(np.float64)
-        quota = remaining * w / w.sum()
-        base = np.minimum(np.floor(quota).astype(np.int64), room)
-        left = remaining - int(base.sum())
-        if left > 0:
-            frac = np.where(room - base > 0, quota - np.floor(quota), -1.0)
-            order = np.lexsort((rng.random(len(frac)), -frac))
-            order = order[frac[order] >= 0][:left]
-            base[order] += 1
-        counts += base
-        remaining -= int(base.sum())
-    return counts
-
-
-def stratified_split(
-    labels: np.ndarray, val_fraction: float, test_fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split positions 0..len(labels)-1 into (train, val, test), stratified by class.
-
-    The test split gets ``max(1, round(n * test_fraction))`` samples and the validation split
-    ``round(n * val_fraction)`` (at least 1 when the fraction is > 0), both apportioned over
-    the classes in proportion to their counts, so test labels follow the training
-    distribution. Every class keeps at least one training sample (a class with one sample
-    goes to train), which can make val/test smaller than asked for tiny clients; test is
-    empty only if no class has two samples.
-    """
-    labels = np.asarray(labels)
-    n = len(labels)
-    classes, counts = np.unique(labels, return_counts=True)
-    n_test = max(1, int(round(n * test_fraction)))
-    test_counts = apportion(n_test, counts, counts - 1, rng)
-    n_val = max(1, int(round(n * val_fraction))) if val_fraction > 0 else 0
-    val_counts = apportion(n_val, counts, counts - 1 - test_counts, rng)
-    train, val, test = [], [], []
-    for cls, t, v in zip(classes, test_counts, val_counts):
-        idx = rng.permutation(np.flatnonzero(labels == cls))
-        test.append(idx[:t])
-        val.append(idx[t : t + v])
-        train.append(idx[t + v :])
-    cat = lambda parts: np.sort(np.concatenate(parts)).astype(np.int64)  # noqa: E731
-    return cat(train), cat(val), cat(test)
 
 
 class _Pool:
@@ -358,7 +303,11 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     3. Partition the rest with the partition plugin (generator derived from (seed,
        "partition")); every client must hold at least ``partition.min_samples`` samples.
     4. Split each client's samples into train/val/test by :func:`stratified_split` with a
-       generator derived from (seed, "split", client id).
+       generator derived from (seed, "split", client id). With ``partition.tuning_pool`` (set
+       by ``[tune]``), the tuning pool (:func:`tuning_pool_mask`, the same for every seed) is
+       kept out of every test split, and a tuning trial (``partition.tuning_trial``) draws its
+       validation split from the pool alone: no sample a trial validates on is in the test
+       split of any run of the study, whatever its seed. Without it the splits are as before.
     5. Images (uint8) become float32 in [0, 1], NCHW, standardised per channel with the whole
        pool's mean/std; float features are left as they are. Only the selected samples are
        converted (no float copy of the whole pool is made).
@@ -420,14 +369,28 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     if image:
         mean, std = _channel_stats(pool)
 
+    in_tuning_pool = None
+    if spec.partition.tuning_pool is not None:
+        in_tuning_pool = tuning_pool_mask(pool.labels, spec.partition.tuning_pool)
+
     clients = []
     for i, part in enumerate(parts):
         positions = np.sort(remaining[part])
         labels = pool.labels[positions]
+        masks = {}
+        if in_tuning_pool is not None:
+            masks = ({"val_from": in_tuning_pool[positions]} if spec.partition.tuning_trial
+                     else {"test_from": ~in_tuning_pool[positions]})
         tr, va, te = stratified_split(
             labels, spec.partition.val_fraction, spec.partition.test_fraction,
-            numpy_rng(seed, "split", client=i),
+            numpy_rng(seed, "split", client=i), **masks,
         )
+        if len(te) == 0 and in_tuning_pool is not None and not spec.partition.tuning_trial:
+            raise SpecError(
+                "partition.tuning_pool",
+                f"client {i} has {len(positions)} samples but none outside the tuning pool can go to its "
+                "test split (each class keeps one for training): lower it or raise partition.min_samples",
+            )
         if len(te) == 0:
             raise SpecError(
                 "partition.min_samples",

@@ -64,6 +64,9 @@ class DataSection:
     subsample: Optional[int] = field(default=None, validator=at_least(1))
 
 
+TUNING_POOL_DEFAULT = 0.2  # partition.tuning_pool of a spec with [tune] that does not give it
+
+
 @define
 class PartitionSection:
     num_clients: int = field(validator=[at_least(1), at_most(MAX_CLIENTS)])
@@ -73,6 +76,12 @@ class PartitionSection:
     min_samples: int = field(default=10, validator=at_least(1))
     val_fraction: float = field(default=0.1, validator=between(0, 1, high_open=True))
     test_fraction: float = field(default=0.2, validator=between(0, 1, low_open=True, high_open=True))
+    # The tuning pool: this share of the data set, drawn once per data set (a fixed seed, not
+    # experiment.seed; pfl_core/data/federated.py), is never in a test split; a tuning trial
+    # (tuning_trial) draws its validation split from it alone. [tune] sets it (default
+    # TUNING_POOL_DEFAULT) and writes it into tuned_spec.toml; None: no pool.
+    tuning_pool: Optional[float] = field(default=None, validator=between(0, 1, low_open=True, high_open=True))
+    tuning_trial: bool = False
 
     def __attrs_post_init__(self):
         if self.val_fraction + self.test_fraction >= 1:
@@ -240,7 +249,9 @@ class TuneSection:
     metric: str = field(default="val_acc_mean", validator=_validation_metric)
     objective: str = field(default="final", validator=one_of("final", "best"))
     direction: str = field(default="maximize", validator=one_of("maximize", "minimize"))
-    sampler: str = field(default="tpe", validator=one_of("tpe", "random", "grid"))
+    # "shared": one seeded Sobol design of tune.space's keys, the same for every method, each
+    # method's own keys crossed with it trial by trial (pfl_core/study/tune.py says why not TPE)
+    sampler: str = field(default="shared", validator=one_of("shared", "tpe", "random", "grid"))
     pruner: str = field(default="median", validator=one_of("median", "none"))
     # the seeds a trial runs on (its objective: their mean); default: one seed that is not
     # among experiment.seeds, so choosing and the final evaluation do not share noise
@@ -257,6 +268,10 @@ class ReportSection:
     # p-values of a table of several paired comparisons are adjusted for multiple comparisons
     # (Holm's step-down method; "none": raw p); a * marks an adjusted p below 0.05
     correction: str = field(default="holm", validator=one_of("holm", "none"))
+    # the family the correction runs over: "table", every comparison of the table at once (each
+    # compared metric x each run against the compared-to run); "metric", each metric's
+    # comparisons apart (a family per column of differences)
+    correction_family: str = field(default="table", validator=one_of("table", "metric"))
     # what "the same budget" means when methods are compared: passes over the private data
     # ("passes", budget.private_epochs) or optimiser steps summed over a client's models ("steps")
     budget: str = field(default="passes", validator=one_of("passes", "steps"))
@@ -286,6 +301,11 @@ class Spec:
     tune: Optional[TuneSection] = None
 
     def __attrs_post_init__(self):
+        if self.tune is not None and self.partition.tuning_pool is None:
+            self.partition.tuning_pool = TUNING_POOL_DEFAULT  # tuning validation never meets a final test split
+        if self.partition.tuning_trial and self.partition.tuning_pool is None:
+            raise FieldError("partition.tuning_trial", "is true, but there is no partition.tuning_pool to draw "
+                                                       "the validation split from; give it, e.g. 0.2")
         if self.tune is not None and self.partition.val_fraction == 0:
             raise FieldError("partition.val_fraction", "is 0, but [tune] chooses hyperparameters on the validation "
                                                        "split; give it a share of each client's data, e.g. 0.1")

@@ -85,8 +85,9 @@ def spec_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-# Keys a resume may change: where and how often checkpoints are written, the progress line.
-FREE_KEYS = ("checkpoint", "tracking.progress")
+# Keys a resumed or kept run may differ in: where and how often checkpoints are written, the
+# progress line, and [report] (the table's correction and columns): never what a run trains.
+FREE_KEYS = ("checkpoint", "tracking.progress", "report")
 
 
 def differing_keys(saved: dict, resolved) -> list[str]:

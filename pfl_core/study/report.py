@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from pfl_core.engine import RunResult
-from pfl_core.study.compare import GAINS, comparisons
+from pfl_core.study.compare import COMPARED, GAINS, comparisons, family_note
 from pfl_core.study.points import Point, PointResult, build_key, point_builds
 from pfl_core.study.stats import Summary
 from pfl_core.tracking.terminal import experiment_location, human_bytes, human_seconds, warning_line
@@ -136,9 +136,6 @@ def print_client_table(result: RunResult, name: str, out) -> None:
         print(f"-- MLflow run {result.run_id}", file=out)
 
 
-COMPARED = ("acc_mean", "acc_p10", "coldstart_acc_mean")
-
-
 BUDGET_UNITS = {  # report.budget -> the final metrics that make up a run's budget in that unit
     "passes": ("budget.private_epochs", "budget.public_epochs"),
     "steps": ("budget.private_steps", "budget.public_steps", "budget.finetune_steps"),
@@ -168,11 +165,12 @@ def check_budgets(results: list[PointResult], unit: str) -> None:
 
 
 def print_comparison(results: list[PointResult], reference: str, out, correction: str = "holm",
-                     budget: str = "passes", left_out: list[str] = ()) -> None:
+                     budget: str = "passes", left_out: list[str] = (), family: str = "table") -> None:
     """Every run as mean ± ci95, its collaboration gain over the reference runs (when
     ``experiment.reference`` is set), and its paired difference from ``reference`` over the
-    same seeds with its p adjusted for the table's other comparisons of that metric
-    (:mod:`pfl_core.study.compare`); an adjusted p below 0.05 is marked *."""
+    same seeds with its p adjusted over ``family`` (``report.correction_family``: the table's
+    comparisons, or that metric's: :mod:`pfl_core.study.compare`); an adjusted p below 0.05 is
+    marked *, and the line under the table names the correction and its family."""
     ref = next((r for r in results if r.name == reference), results[0])
     n = len(ref.runs)
     title = "same seed, same partition" if n == 1 else f"{n} seeds, mean ± 95% interval"
@@ -180,7 +178,7 @@ def print_comparison(results: list[PointResult], reference: str, out, correction
     keys = [k for k in COMPARED if any(k in r.summary for r in results)]
     gain_keys = [k for k in GAINS if any(k in r.summary for r in results)]
     diff_keys = keys if n > 1 else []
-    differences = comparisons(results, ref, diff_keys, correction)
+    differences = comparisons(results, ref, diff_keys, correction, family)
     budgets = budget_columns(results, budget)
     header = ["run", *keys, "comm_up_bytes", *budgets, *gain_keys, *[f"Δ{k} vs {ref.name}" for k in diff_keys]]
     rows = []
@@ -195,8 +193,8 @@ def print_comparison(results: list[PointResult], reference: str, out, correction
         ])
     print_table(header, rows, out)
     if n > 1:
-        print(f"(Δ: paired difference over the same seeds with its 95% interval and p; {P_NOTE[correction]})",
-              file=out)
+        print(f"(Δ: paired difference over the same seeds with its 95% interval and p; "
+              f"{family_note(differences, correction, family)})", file=out)
     if gain_keys:
         print("(gain_vs_best_reference: acc_mean - max(reference runs) per seed, paired; gain_vs_local likewise)",
               file=out)
@@ -211,10 +209,6 @@ def left_out_line(name: str, seed, message: str) -> str:
     """Under a comparison, for a point that diverged on one of its seeds (pfl-run, pfl results)."""
     where = f" on seed {seed}" if seed is not None else ""
     return f"{name} diverged{where} ({' '.join(message.split())[:200]})"
-
-
-P_NOTE = {"holm": "p adjusted by Holm's method over the table's comparisons of each metric; * = adjusted p < 0.05",
-          "none": "p not adjusted for multiple comparisons (report.correction = \"none\"); * = p < 0.05"}
 
 
 def _interval(d: Summary) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pfl_core.errors import PflError
 from pfl_core.spec import dump_toml
-from pfl_core.study.compare import GAINS, comparisons
+from pfl_core.study.compare import COMPARED, GAINS, comparisons
 from pfl_core.study.stats import Summary
 from pfl_core.tracking.tables import table_csv
 
@@ -94,11 +94,11 @@ class ResultsDir:
             (self._folder(name) / "tuned_spec.toml").write_text(spec_toml, encoding="utf-8")
 
     def write_results(self, results: list, compare_to: str | None, complete: bool = True,
-                      correction: str = "holm") -> None:
+                      correction: str = "holm", family: str = "table") -> None:
         """comparison.csv, differences.csv and each run's per-client CSV; ``complete``: then the
         ``INCOMPLETE`` mark is removed."""
         with self._writing():
-            self._write_results(results, compare_to, correction)
+            self._write_results(results, compare_to, correction, family)
             if complete:
                 (self.path / INCOMPLETE).unlink(missing_ok=True)
 
@@ -115,7 +115,7 @@ class ResultsDir:
                            f"{INCOMPLETE} (free space or choose another --out; the runs are in MLflow when "
                            f"tracked)") from None
 
-    def _write_results(self, results: list, compare_to: str | None, correction: str) -> None:
+    def _write_results(self, results: list, compare_to: str | None, correction: str, family: str) -> None:
         for result in results:
             folder = self._folder(result.name)
             seeded = getattr(result, "seeded", False) or len(result.runs) > 1
@@ -126,7 +126,7 @@ class ResultsDir:
                     (folder / filename).write_text(
                         table_csv(header, [[r.get(k, "") for k in header] for r in run.client_rows]), encoding="utf-8")
         (self.path / COMPARISON).write_text(comparison_csv(results), encoding="utf-8")
-        (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to, correction), encoding="utf-8")
+        (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to, correction, family), encoding="utf-8")
 
     def mark_incomplete(self, reason: str) -> None:
         (self.path / INCOMPLETE).write_text(reason + "\n", encoding="utf-8")
@@ -154,30 +154,38 @@ def comparison_csv(results: list) -> str:
     return table_csv(header, rows)
 
 
-DIFF_HEADER = ["run", "vs", "metric", "n", "mean", "ci95", "low", "high", "p", "p_adjusted", "significant"]
+# p_family: the comparisons p_adjusted was adjusted over ("table": the printed table's,
+# report.correction_family; a metric's name: that metric's, over the runs; "none": unadjusted)
+DIFF_HEADER = ["run", "vs", "metric", "n", "mean", "ci95", "low", "high", "p", "p_adjusted", "significant",
+               "p_family"]
 
 
-def _diff_row(run: str, vs: str, metric: str, d: Summary) -> list:
+def _diff_row(run: str, vs: str, metric: str, d: Summary, family: str) -> list:
     return [run, vs, metric, d.n, _num(d.mean), _num(d.ci95), _num(d.low), _num(d.high), _num(d.p),
-            _num(d.p_adjusted), "" if math.isnan(d.p_adjusted) else str(d.significant).lower()]
+            _num(d.p_adjusted), "" if math.isnan(d.p_adjusted) else str(d.significant).lower(), family]
 
 
-def differences_csv(results: list, compare_to: str | None, correction: str = "holm") -> str:
-    """Every run against the compared-to run on every final metric (p adjusted per metric over
-    the runs, as in the printed table), then the collaboration gains."""
+def differences_csv(results: list, compare_to: str | None, correction: str = "holm", family: str = "table") -> str:
+    """Every run against the compared-to run on every final metric, then the collaboration
+    gains. The printed table's metrics have its p (adjusted over ``family``); the other
+    metrics, not in the table, are adjusted each over its own comparisons."""
     rows = []
     if results:
         ref = next((r for r in results if r.name == compare_to), results[0])
         keys = sorted({k for r in results for k in r.summary if k not in GAINS})
-        found = comparisons(results, ref, keys, correction)
+        shown = [k for k in COMPARED if k in keys]  # the printed table's columns of differences
+        found = {**comparisons(results, ref, shown, correction, family),
+                 **comparisons(results, ref, [k for k in keys if k not in shown], correction, "metric")}
         for r in results:
             for key in keys:
                 if (r.name, key) in found:
-                    rows.append(_diff_row(r.name, ref.name, key, found[(r.name, key)]))
+                    over = "table" if key in shown and family == "table" else key
+                    rows.append(_diff_row(r.name, ref.name, key, found[(r.name, key)],
+                                          "none" if correction == "none" else over))
         for r in results:
             for key, vs in zip(GAINS, ("best reference (acc_mean)", "local (acc_mean)")):
                 if key in r.summary:
-                    rows.append(_diff_row(r.name, vs, key, r.summary[key]))
+                    rows.append(_diff_row(r.name, vs, key, r.summary[key], "none" if correction == "none" else key))
     return table_csv(DIFF_HEADER, rows)
 
 

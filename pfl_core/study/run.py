@@ -86,6 +86,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                 tracking_uri, *study_params(points), parent=top_level > 1, tuned=bool(plans))
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
     correction = points[0].resolved.spec.report.correction
+    family = points[0].resolved.spec.report.correction_family
     # the store's finished runs are looked up only where there is a store; one SPEC --resume of a
     # study at a time: while another continues it, this one is refused here, before it writes anything
     reuse = Reuse() if resume and points[0].resolved.spec.tracking.enabled else None
@@ -154,7 +155,8 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             log_differences(points[0], shown, compare_to, tracking_uri)
             if plans:
                 print(f"\n{describe(plans)}", file=out)
-            print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget, left_out)
+            print_comparison(shown, compare_to, out, correction, points[0].resolved.spec.report.budget, left_out,
+                             family)
             study = current_study()
             if study is not None and study.parent is not None:
                 log_study_figures(study.parent, shown)
@@ -165,7 +167,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             try:
                 results_dir.mark_incomplete(f"stopped early ({reason}); these files hold the "
                                             f"{len(done)} run(s) that finished")
-                results_dir.write_results(done, compare_to, complete=False, correction=correction)
+                results_dir.write_results(done, compare_to, complete=False, correction=correction, family=family)
                 if isinstance(exc, Interrupted):  # said in the command line's one line
                     exc.out_dir = out_dir
                 else:
@@ -177,7 +179,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     finally:
         resume_locks.close()  # however the study ended
     if results_dir is not None:
-        results_dir.write_results(shown, compare_to, correction=correction)
+        results_dir.write_results(shown, compare_to, correction=correction, family=family)
     if not quiet:  # --quiet: the summaries and the comparison only
         print_locations(points[0], out_dir, out)
     return shown

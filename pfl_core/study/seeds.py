@@ -73,7 +73,8 @@ def log_differences(point: Point, results: list[PointResult], compare_to: str, t
     if len(ref.runs) < 2:
         return  # one seed: no interval, no test
     spec = point.resolved.spec
-    found = comparisons(results, ref, [k for k in COMPARED if k in ref.summary], spec.report.correction)
+    found = comparisons(results, ref, [k for k in COMPARED if k in ref.summary], spec.report.correction,
+                        spec.report.correction_family)
     tracker = make_tracker(spec.tracking, tracking_uri)
     for result in results:
         metrics = delta_metrics(found, result.name)

@@ -20,12 +20,13 @@ import attrs
 from pfl_core.engine import RunResult
 from pfl_core.errors import PflError, did_you_mean
 from pfl_core.state.locations import plain_uri, sqlite_file
-from pfl_core.study.compare import adjust_gains, comparisons
+from pfl_core.study.compare import adjust_gains, comparisons, family_note
 from pfl_core.study.points import PointResult
 from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print_comparison, print_table
 from pfl_core.study.results import comparison_csv
 from pfl_core.study.reuse import SUPERSEDED_TAG, TUNING_TAG
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
+from pfl_core.study.space import sampler_words
 from pfl_core.study.stats import Summary, adjust, paired_difference, summarize
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
@@ -144,6 +145,7 @@ class Table:
     budget: str
     tuned: str  # "tuned: ..." or ""
     left_out: list[str] = attrs.Factory(list)  # points that stopped (a seed diverged), as pfl-run said
+    family: str = "table"  # report.correction_family
 
 
 def load(client, study: StoredStudy) -> Table:
@@ -176,8 +178,10 @@ def load(client, study: StoredStudy) -> Table:
             result.summary.update(gains(result, [r for r in references if r.group == result.group]))
         adjust_gains(results, correction)
     compare_to = params.get("experiment.compare_to", "") or results[0].name
+    # studies stored before report.correction_family existed were adjusted per metric
+    family = params.get("report.correction_family", "metric")
     return Table(results, compare_to, correction, params.get("report.budget", "passes"), _tuning_line(study),
-                 left_out)
+                 left_out, family)
 
 
 def _stopped(point, runs: list) -> str:
@@ -206,7 +210,7 @@ def _tuning_line(study: StoredStudy) -> str:
     trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
               "trials: " + ", ".join(f"{r.info.run_name.removesuffix(' (tuning)')} {n}" for r, n in zip(parents, counts)))
     return (f"tuned: {trials} on {params.get('tune.metric', '?')} ({params.get('tune.objective', '?')}), "
-            f"{params.get('tune.sampler', '?')} sampler, tuning seeds {params.get('tune.seeds', '?')}")
+            f"{sampler_words(params.get('tune.sampler', '?'))}, tuning seeds {params.get('tune.seeds', '?')}")
 
 
 # -- exports ---------------------------------------------------------------------------------
@@ -217,7 +221,7 @@ def _columns(table: Table) -> tuple[list[str], dict]:
     results = table.results
     ref = next((r for r in results if r.name == table.compare_to), results[0])
     keys = [k for k in COMPARED if any(k in r.summary for r in results)]
-    diffs = comparisons(results, ref, keys, table.correction) if len(ref.runs) > 1 else {}
+    diffs = comparisons(results, ref, keys, table.correction, table.family) if len(ref.runs) > 1 else {}
     return keys, diffs
 
 
@@ -314,10 +318,8 @@ def _tex(text: str) -> str:
 
 def _footnote(table: Table) -> str:
     n = max(len(r.runs) for r in table.results)
-    p = ("p adjusted by Holm's method over the table's comparisons of each metric" if table.correction == "holm"
-         else "p not adjusted for multiple comparisons")
     return (f"mean ± 95% interval over {n} seed(s); Δ: paired difference over the same seeds with its 95% interval; "
-            f"{p}; * = adjusted p < 0.05")
+            f"{family_note(_columns(table)[1], table.correction, table.family)}")
 
 
 def within_runs(table: Table, first: str, second: str) -> list[tuple[str, Summary, Summary, Summary]]:
@@ -431,7 +433,8 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
         print(f"study {study.id}: experiment {study.experiment!r}, {study.date}, {study.state}", file=out)
         if table.tuned:
             print(table.tuned, file=out)
-        print_comparison(table.results, table.compare_to, out, table.correction, table.budget, table.left_out)
+        print_comparison(table.results, table.compare_to, out, table.correction, table.budget, table.left_out,
+                         table.family)
     return 0
 
 

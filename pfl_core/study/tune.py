@@ -7,14 +7,35 @@ For each point (a method, with the sweep's other settings):
    (that method's own keys), each a dotted spec key with ``{ low, high [, log, step] }`` or
    ``{ choices = [...] }``; every bound and choice is resolved against the point's spec before
    any data loads, so a key the method does not have is one line naming it;
-2. ``tune.trials`` trials: Optuna's sampler (TPE, random or grid, seeded by
-   ``experiment.seed``) proposes values, the point runs with them on the tuning seeds, and the
+2. ``tune.trials`` trials: the values come from a seeded design shared by every method
+   (``tune.sampler = "shared"``, the default; below) or from Optuna's sampler (TPE, random or
+   grid, seeded by ``experiment.seed``); the point runs with them on the tuning seeds, and the
    objective is ``tune.metric`` (a validation metric: the test split is never looked at) at the
    last evaluation or its best round, averaged over the tuning seeds; the median pruner stops a
    trial whose validation metric at an evaluation round is below the median of earlier trials at
    that round (the trial's run ends KILLED, tagged ``pruned``);
 3. its best configuration, written as a spec (``tuned_spec.toml``: the point with the chosen
    values and without ``[tune]``), runs on ``experiment.seeds`` as any point does.
+
+The shared design (``tune.sampler = "shared"``) makes the search equal in fact, not only in its
+number of trials: the keys of ``tune.space`` take the values of one scrambled Sobol design of
+``tune.trials`` points (:class:`scipy.stats.qmc.Sobol`, seeded by ``experiment.seed``), the same
+values in the same order for every point of the sweep; a method's own keys
+(``tune.method.<algorithm>``) take the further dimensions of a Sobol design of as many points,
+paired with the shared one trial by trial, so its knobs are crossed with the shared values inside
+the same budget (the two together are one Sobol design of all the keys: a scrambling per
+dimension keeps its balance). Each point of the unit cube maps to a key's range uniformly, or
+log-uniformly with ``log``, onto the values of its ``step``, or onto its ``choices`` by index.
+The trials reach Optuna as enqueued trials (``study.enqueue_trial``), so its storage, pruner,
+resume and the MLflow runs are those of any sampler; a resumed tuning enqueues only the design
+points not yet run. Sobol points are balanced in blocks of powers of two: a power of two of
+``tune.trials`` is best (scipy's warning about other counts is silenced; their points are still
+the first points of the same sequence). TPE is not the default: with fewer trials than its 10
+seeded start-up trials it is random search, and a method with a key of its own draws another
+sequence of learning rates than a method tuned over the learning rate alone, so one method could
+win by searching where its competitors never did. After tuning, a best value that is the smallest
+or largest value tried for a range's key is a warning line and a tag ``pfl.tune.edge.<key>`` on
+the tuning's parent run: the range should be widened.
 
 The tuning seeds (``tune.seeds``) default to one seed above every seed of ``experiment.seeds``:
 with distinct seeds the partition and the initialisation differ, so the configuration chosen is
@@ -40,9 +61,11 @@ import functools
 import hashlib
 import json
 import math
+import threading
 from typing import Any
 
 import attrs
+import numpy as np
 
 from pfl_core import registry
 from pfl_core.data.cache import DataCache
@@ -52,100 +75,19 @@ from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store, sqlite_uri
 from pfl_core.study.points import Point
+from pfl_core.study.space import EXAMPLE, Dimension, _sobol, edges, parse_space, sampler_words
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
 STORAGE_FILE = "optuna.db"
+DESIGN_POINT = "pfl.design_point"  # user attribute of an enqueued trial: its row of the shared design
+OWN_DESIGN_STREAM = 1  # the method's own keys: a Sobol design seeded by (experiment.seed, this)
 PRUNER_STARTUP_TRIALS = 5  # trials that run whole before the median pruner stops any
 # A trial's metrics reach MLflow in one write at most this often (a write per round cost a short
 # trial a tenth of its time); a trial has no checkpoint a kill could leave ahead of them.
 TRIAL_METRICS_EVERY_S = 10.0
 DIVERGED = "pfl.diverged"  # user attribute of a trial whose training diverged (its message)
 REUSE_POOLS = True  # a process pool kept from trial to trial (False: each trial forks its own; tests compare)
-
-
-@attrs.frozen
-class Dimension:
-    """One key of a search space and where in ``[tune]`` it was given."""
-
-    key: str
-    path: str
-    low: Any = None
-    high: Any = None
-    log: bool = False
-    step: Any = None
-    choices: tuple | None = None
-
-    def suggest(self, trial) -> Any:
-        if self.choices is not None:
-            return trial.suggest_categorical(self.key, list(self.choices))
-        if _is_int(self.low) and _is_int(self.high) and (self.step is None or _is_int(self.step)):
-            return trial.suggest_int(self.key, self.low, self.high, step=self.step or 1, log=self.log)
-        return trial.suggest_float(self.key, float(self.low), float(self.high), step=self.step, log=self.log)
-
-    def corners(self) -> list:
-        """The values that must all be valid for the key: every choice, or both bounds."""
-        return list(self.choices) if self.choices is not None else [self.low, self.high]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-RANGE_KEYS = {"low", "high", "log", "step"}
-EXAMPLE = '{ low = 0.001, high = 0.3, log = true } or { choices = [0.01, 0.1] }'
-
-
-def parse_dimension(key: str, entry: Any, path: str) -> Dimension:
-    """One entry of a space, checked: a range of numbers or a list of choices of one type."""
-    if not isinstance(entry, dict) or not entry:
-        raise SpecError(path, f"expected a table, {EXAMPLE}; got {shown(entry)}")
-    if "choices" in entry:
-        extra = sorted(set(entry) - {"choices"})
-        if extra:
-            raise SpecError(path, f"give choices alone, or a range (low, high, log, step); not both ({', '.join(extra)})")
-        choices = entry["choices"]
-        if not isinstance(choices, list) or not choices:
-            raise SpecError(f"{path}.choices", f"expected a non-empty list of values, got {shown(choices)}")
-        kinds = {type(c).__name__ for c in choices}
-        if len(kinds) > 1:
-            raise SpecError(f"{path}.choices", f"mixes types ({', '.join(sorted(kinds))}); give values of one type "
-                                               f"(write 1.0, not 1, among floats)")
-        if any(isinstance(c, (dict, list)) for c in choices):
-            raise SpecError(f"{path}.choices", "expected plain values (numbers, strings, booleans)")
-        if len(set(map(repr, choices))) < len(choices):
-            raise SpecError(f"{path}.choices", "lists a value more than once")
-        return Dimension(key, path, choices=tuple(choices))
-    unknown = sorted(set(entry) - RANGE_KEYS)
-    if unknown:
-        raise SpecError(f"{path}.{unknown[0]}", f"unknown key; a range takes low, high, log and step, e.g. {EXAMPLE}")
-    for bound in ("low", "high"):
-        if bound not in entry:
-            raise SpecError(f"{path}.{bound}", "required key is missing (a range needs low and high)")
-        value = entry[bound]
-        if not _is_number(value) or not math.isfinite(value):
-            raise SpecError(f"{path}.{bound}", f"expected a finite number, got {shown(value)}")
-    low, high, log, step = entry["low"], entry["high"], entry.get("log", False), entry.get("step")
-    if not isinstance(log, bool):
-        raise SpecError(f"{path}.log", f"expected true or false, got {shown(log)}")
-    if not low < high:
-        raise SpecError(path, f"empty range: low {shown(low)} is not below high {shown(high)}")
-    if log and low <= 0:
-        raise SpecError(f"{path}.low", f"is {shown(low)}, but a log range needs low > 0")
-    if step is not None:
-        if not _is_number(step) or not math.isfinite(step) or step <= 0:
-            raise SpecError(f"{path}.step", f"expected a number > 0, got {shown(step)}")
-        if log:
-            raise SpecError(f"{path}.step", "a log range takes no step (Optuna samples it continuously)")
-    return Dimension(key, path, low=low, high=high, log=log, step=step)
-
-
-def parse_space(table: dict, where: str) -> list[Dimension]:
-    return [parse_dimension(key, entry, f"{where}.{key}") for key, entry in table.items()]
 
 
 @attrs.define
@@ -157,6 +99,7 @@ class TuningPlan:
     space: list[Dimension]
     seeds: list[int]
     ran: int | None = None  # trials that ran to the end or were pruned, once tuned
+    shared: int = 0  # the first ``shared`` dimensions of ``space`` are tune.space's (every point's)
 
 
 def plan_tuning(points: list[Point], names: list[str], notes: list[str] | None = None) -> list[TuningPlan] | None:
@@ -197,7 +140,7 @@ def plan_tuning(points: list[Point], names: list[str], notes: list[str] | None =
         if tune.sampler == "grid" and any(d.choices is None for d in space):
             bad = next(d for d in space if d.choices is None)
             raise SpecError("tune.sampler", f"'grid' needs choices for every key; {bad.path} is a range")
-        plans.append(TuningPlan(point, name, space, tuning_seeds(point)))
+        plans.append(TuningPlan(point, name, space, tuning_seeds(point), shared=len(shared)))
     return plans
 
 
@@ -211,9 +154,12 @@ def tuning_seeds(point: Point) -> list[int]:
 
 def trial_point(point: Point, values: dict[str, Any], seed: int | None, tags: dict[str, str] | None = None):
     """The point's spec with ``values`` set, validation on and ``[tune]`` gone; ``seed``: one
-    run on that seed (else the point's own seeds). Returns its Resolved."""
+    run on that seed (else the point's own seeds). Returns its Resolved. Its validation split
+    comes from the tuning pool alone (``partition.tuning_trial``), which no final run's test
+    split draws from (:func:`tuned_raw`)."""
     raw = tuned_raw(point, values)
     raw.setdefault("evaluation", {})["validation"] = True
+    raw["partition"]["tuning_trial"] = True
     if seed is not None:  # a trial: a killed tuning runs it again from the start, never resumes it
         raw.setdefault("checkpoint", {})["enabled"] = False
     if seed is not None:
@@ -227,12 +173,51 @@ def trial_point(point: Point, values: dict[str, Any], seed: int | None, tags: di
 
 
 def tuned_raw(point: Point, values: dict[str, Any]) -> dict:
-    """The point's raw spec with ``values`` set and no ``[tune]`` table: it runs the point alone."""
+    """The point's raw spec with ``values`` set and no ``[tune]`` table: it runs the point alone.
+    It keeps the point's ``partition.tuning_pool`` (which ``[tune]`` set), so its test splits stay
+    outside the pool the trials validated on, in ``tuned_spec.toml`` too."""
     raw = copy.deepcopy(point.raw)
     raw.pop("tune", None)
+    if point.resolved.spec.partition.tuning_pool is not None:
+        raw.setdefault("partition", {})["tuning_pool"] = point.resolved.spec.partition.tuning_pool
     for key, value in values.items():
         set_dotted(raw, key, value)
     return raw
+
+
+def design(plan: TuningPlan, trials: int, seed: int) -> list[dict[str, Any]]:
+    """The shared design's ``trials`` points, as each trial's values: tune.space's keys from a
+    scrambled Sobol design seeded by ``seed`` (the same for every point of the sweep), the
+    method's own keys from the further dimensions of one seeded by ``(seed, OWN_DESIGN_STREAM)``,
+    row i of both in trial i."""
+    shared, own = plan.space[:plan.shared], plan.space[plan.shared:]
+    units = np.empty((trials, 0))
+    if shared:
+        units = _sobol(len(shared), trials, np.random.default_rng(seed))
+    if own:  # the dimensions after the shared ones: with them, one Sobol design of every key
+        own_units = _sobol(len(shared) + len(own), trials, np.random.default_rng([seed, OWN_DESIGN_STREAM]))
+        units = np.hstack([units, own_units[:, len(shared):]])
+    return [{dim.key: dim.at(float(u)) for dim, u in zip(plan.space, row)} for row in units]
+
+
+
+
+def _enqueue_design(study, plan: TuningPlan, trials: int, seed: int, done: list) -> None:
+    """Queue the design points no finished trial ran and none is queued for; a queued point a
+    lowered ``tune.trials`` no longer has is failed, never run."""
+    import optuna
+
+    ran = {t.user_attrs.get(DESIGN_POINT) for t in done}
+    waiting = [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+    queued = set()
+    for trial in waiting:
+        if trial.user_attrs.get(DESIGN_POINT, trials) >= trials or trial.user_attrs[DESIGN_POINT] in queued:
+            study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        else:
+            queued.add(trial.user_attrs[DESIGN_POINT])
+    for index, values in enumerate(design(plan, trials, seed)):
+        if index not in ran and index not in queued:
+            study.enqueue_trial(values, user_attrs={DESIGN_POINT: index})
 
 
 def storage_url(point: Point, tracking_uri: str | None) -> str:
@@ -247,6 +232,8 @@ def study_name(plan: TuningPlan) -> str:
     of trials, where results go, and how they are shown): a changed spec is another study."""
     raw = {k: v for k, v in plan.point.raw.items() if k not in ("tracking", "checkpoint", "report")}
     raw["tune"] = {k: v for k, v in raw.get("tune", {}).items() if k not in ("trials", "parallel")}
+    # the sampler in effect: a spec that left it to the default names another study when the default changes
+    raw["tune"]["sampler"] = plan.point.resolved.spec.tune.sampler
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=repr).encode()).hexdigest()[:12]
     spec = plan.point.resolved.spec
     return f"{spec.tracking.experiment or spec.experiment.name}/{plan.name}/{digest}"
@@ -267,6 +254,7 @@ class Tuned:
     complete: int
     pruned: int
     diverged: int = 0  # trials whose training diverged (failed trials, counted in the budget)
+    edges: dict[str, str] = attrs.field(factory=dict)  # key -> why its best value is on the edge of those tried
 
     @property
     def ran(self) -> int:
@@ -289,6 +277,9 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
     _fail_abandoned(study)
     done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
             or DIVERGED in t.user_attrs]
+    if tune.sampler == "shared":
+        _enqueue_design(study, plan, tune.trials, spec.experiment.seed, done)
+        study._pop_waiting_trial_id = _one_at_a_time(study._pop_waiting_trial_id)
     parent = make_tracker(spec.tracking, tracking_uri)
     parent.start(spec.tracking.experiment or spec.experiment.name, f"{plan.name} (tuning)",
                  {**flatten(plan.point.resolved.as_dict), "tune.seeds": json.dumps(plan.seeds)},
@@ -310,6 +301,9 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
                             "trials_pruned": float(tuned.pruned), "trials_diverged": float(tuned.diverged)}, step=0)
         for key, value in tuned.values.items():
             parent.log_param(f"best.{key}", value)
+        for key, text in tuned.edges.items():
+            warning_line(f"{plan.name}: {text}")
+            parent.set_tag(f"pfl.tune.edge.{key}", text)
         parent.log_text(tuned_spec_toml(tuned), "tuned_spec.toml")
         status = "FINISHED"
         return tuned
@@ -378,6 +372,17 @@ def objective_value(history: list[dict], metric: str, objective: str, direction:
     return float(max(values) if direction == "maximize" else min(values))
 
 
+def _one_at_a_time(pop):
+    """Optuna's taking of a queued trial, one thread at a time: two parallel trials on SQLite
+    (no row locks) could otherwise both take the same design point."""
+    lock = threading.Lock()
+
+    def locked():
+        with lock:
+            return pop()
+    return locked
+
+
 def _study_name(storage, base: str, resume: bool) -> str:
     """``base`` the first time; then ``base#2``, ``#3`` ... for a fresh tuning of the same spec,
     or the newest one again with ``resume``."""
@@ -410,6 +415,8 @@ def _sampler(tune, seed: int, space: list[Dimension]):
         return optuna.samplers.RandomSampler(seed=seed)
     if tune.sampler == "grid":
         return optuna.samplers.GridSampler({d.key: list(d.choices) for d in space}, seed=seed)
+    if tune.sampler == "shared":  # every trial is an enqueued design point: the sampler proposes nothing
+        return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
 
 
@@ -435,7 +442,11 @@ def _best(study, plan: TuningPlan) -> Tuned:
     values = {dim.key: best.params[dim.key] for dim in plan.space}
     raw = tuned_raw(plan.point, values)
     point = Point(plan.point.settings, resolve(raw), raw, plan.point.base)
-    return Tuned(point, values, float(best.value), complete, pruned, diverged)
+    ran = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+           or DIVERGED in t.user_attrs]
+    return Tuned(point, values, float(best.value), complete, pruned, diverged, edges(ran, plan.space, values))
+
+
 
 
 def tuned_spec_toml(tuned: Tuned) -> str:
@@ -454,4 +465,5 @@ def describe(plans: list[TuningPlan]) -> str:
     counts = [tune.trials if p.ran is None else p.ran for p in plans]
     trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
               "trials: " + ", ".join(f"{p.name} {n}" for p, n in zip(plans, counts)))
-    return f"tuned: {trials} on {tune.metric} ({tune.objective}), {tune.sampler} sampler, tuning seeds {plans[0].seeds}"
+    return (f"tuned: {trials} on {tune.metric} ({tune.objective}), {sampler_words(tune.sampler)}, "
+            f"tuning seeds {plans[0].seeds}")
