@@ -23,7 +23,6 @@ from pfl_core.engine import Engine, resolve
 from pfl_core.study import run_spec_file
 
 
-
 def tune_raw(trials=4, space=None, method=None, sweep=("fedavg", "fedprox"), **overrides):
     """The tiny spec with [tune] (``tune.*`` overrides go into it) and a sweep of methods."""
     raw = tiny_raw(**{"experiment.rounds": 3, "experiment.seeds": [0, 1],
@@ -225,21 +224,28 @@ sys.exit(run_main(sys.argv[1:]))
 """
 
 
-def test_a_killed_tuning_resumes_without_repeating_a_finished_trial(tmp_path):
-    raw = tune_raw(trials=5, sweep=None, **{"tracking.enabled": True, "tracking.progress": False})
+def kill_then_resume(tmp_path, raw, kill_at: int) -> tuple[list, list]:
+    """Run the spec in a process killed (SIGKILL) as trial ``kill_at`` starts, then continue it
+    with ``--resume``: (its trials before the resume, its trials after)."""
     spec = write_spec(tmp_path, raw)
-    env = {**os.environ, "KILL_AT": "4", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "KILL_AT": str(kill_at), "OMP_NUM_THREADS": "1"}
     killed = subprocess.run([sys.executable, "-c", KILL_AT_TRIAL, spec, "--quiet"], cwd=tmp_path, env=env,
                             capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
     (before,) = trials_of(tmp_path / "optuna.db").values()
-    finished = [(t.number, t.params, t.value) for t in before if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(finished) == 3 and before[3].state == optuna.trial.TrialState.RUNNING
     resumed = subprocess.run([sys.executable, "-c", "import sys; from pfl_core.cli import run_main; "
                               "sys.exit(run_main(sys.argv[1:]))", spec, "--resume", "--quiet"],
                              cwd=tmp_path, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     (after,) = trials_of(tmp_path / "optuna.db").values()  # the same study, continued
+    return before, after
+
+
+def test_a_killed_tuning_resumes_without_repeating_a_finished_trial(tmp_path):
+    raw = tune_raw(trials=5, sweep=None, **{"tracking.enabled": True, "tracking.progress": False})
+    before, after = kill_then_resume(tmp_path, raw, kill_at=4)
+    finished = [(t.number, t.params, t.value) for t in before if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(finished) == 3 and before[3].state == optuna.trial.TrialState.RUNNING
     states = [t.state for t in after]
     assert states.count(optuna.trial.TrialState.COMPLETE) + states.count(optuna.trial.TrialState.PRUNED) == 5
     assert after[3].state == optuna.trial.TrialState.FAIL  # the killed one, replaced

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import subprocess
-import sys
 
 import mlflow
 import numpy as np
@@ -17,7 +14,7 @@ import optuna
 import pytest
 from scipy.stats import qmc
 from test_cli import write_spec
-from test_tune import KILL_AT_TRIAL, runs_of, trials_of, tune_raw
+from test_tune import kill_then_resume, runs_of, trials_of, tune_raw
 
 from pfl_core.study import run_spec_file
 from pfl_core.study import tune as tune_module
@@ -133,18 +130,8 @@ def test_enqueuing_twice_queues_each_design_point_once_and_a_lowered_budget_fail
 def test_a_killed_tuning_resumes_with_the_design_points_not_yet_run(tmp_path):
     raw = tune_raw(trials=4, sweep=None, space=LR, **{"tracking.enabled": True, "tracking.progress": False,
                                                       "tune.pruner": "none"})
-    spec = write_spec(tmp_path, raw)
-    env = {**os.environ, "KILL_AT": "3", "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_TRIAL, spec, "--quiet"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True)
-    assert killed.returncode == -9, killed.stderr
-    (before,) = trials_of(tmp_path / "optuna.db").values()
+    before, after = kill_then_resume(tmp_path, raw, kill_at=3)
     assert [t.state for t in before].count(optuna.trial.TrialState.COMPLETE) == 2
-    resumed = subprocess.run([sys.executable, "-c", "import sys; from pfl_core.cli import run_main; "
-                              "sys.exit(run_main(sys.argv[1:]))", spec, "--resume", "--quiet"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    (after,) = trials_of(tmp_path / "optuna.db").values()
     complete = [t for t in after if t.state == optuna.trial.TrialState.COMPLETE]
     # every design point ran exactly once: the killed one again, none twice, nothing left queued
     assert sorted(t.user_attrs[DESIGN_POINT] for t in complete) == [0, 1, 2, 3]
