@@ -302,7 +302,7 @@ class Engine:
             self.tracker.resume(resume.state["run_id"])
         else:
             tags = {"algorithm": spec.algorithm.name, "pfl.version": _version(), **spec.tracking.tags}
-            self.tracker.start(spec.tracking.experiment or spec.experiment.name, self.run_name,
+            self.tracker.start(spec.tracking_experiment, self.run_name,
                                flatten(self.resolved.as_dict), tags)
         status = "FAILED"
         try:

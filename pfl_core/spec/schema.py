@@ -300,6 +300,11 @@ class Spec:
     report: ReportSection = field(factory=ReportSection)
     tune: Optional[TuneSection] = None
 
+    @property
+    def tracking_experiment(self) -> str:
+        """The MLflow experiment the runs go to: ``tracking.experiment``, else ``experiment.name``."""
+        return self.tracking.experiment or self.experiment.name
+
     def __attrs_post_init__(self):
         if self.tune is not None and self.partition.tuning_pool is None:
             self.partition.tuning_pool = TUNING_POOL_DEFAULT  # tuning validation never meets a final test split

@@ -219,7 +219,7 @@ def study_params(points: list[Point]) -> tuple[str, dict[str, str], dict[str, st
     shared = {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
     swept = list(dict.fromkeys(k for p in points for k in p.settings))
     tags = {"pfl.sweep": ", ".join(swept)} if swept else {}
-    return spec.tracking.experiment or spec.experiment.name, shared, {**tags, **spec.tracking.tags}
+    return spec.tracking_experiment, shared, {**tags, **spec.tracking.tags}
 
 
 def server_archs(point: Point) -> dict[str, str]:

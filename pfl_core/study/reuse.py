@@ -91,7 +91,7 @@ class Reuse:
         """The newest finished run of this name to keep, else the newest interrupted one to
         continue; None: the run runs from its start."""
         spec = resolved.spec
-        runs = self._runs(spec.tracking.experiment or spec.experiment.name).get(name, [])
+        runs = self._runs(spec.tracking_experiment).get(name, [])
         for finished in (True, False):
             for run in runs:
                 if (run.info.status == "FINISHED") != finished:
@@ -121,7 +121,7 @@ class Reuse:
         old = earlier.run
         old_id = old.info.run_id
         self._say_if_other_code(earlier, resolved, name)
-        self.supersede(old, spec.tracking.experiment or spec.experiment.name)
+        self.supersede(old, spec.tracking_experiment)
         new_id, by_step = self._start_copy(earlier, resolved, name, tracker, REUSED_TAG)
         status = "FAILED"
         try:
@@ -150,7 +150,7 @@ class Reuse:
         the engine resumed from it (``pfl-run --resume RUN``'s path, in the new run)."""
         spec = resolved.spec
         last = earlier.loaded.round
-        self.supersede(earlier.run, spec.tracking.experiment or spec.experiment.name)
+        self.supersede(earlier.run, spec.tracking_experiment)
         new_id, _ = self._start_copy(earlier, resolved, name, tracker, CONTINUED_TAG, up_to=last)
         try:
             folder = checkpoint.run_folder(spec, new_id, name, checkpoint.tracking_uri_of(tracker))
@@ -176,7 +176,7 @@ class Reuse:
         spec = resolved.spec
         old = earlier.run
         tags = {k: v for k, v in old.data.tags.items() if not k.startswith("mlflow.") and k not in PLACE_TAGS}
-        tracker.start(spec.tracking.experiment or spec.experiment.name, name, dict(old.data.params),
+        tracker.start(spec.tracking_experiment, name, dict(old.data.params),
                       {**tags, tag: old.info.run_id})
         try:
             client = mlflow.MlflowClient()
@@ -324,7 +324,7 @@ def hold_resume_locks(points: list, tracking_uri: str | None) -> contextlib.Exit
     import mlflow
 
     wanted = sorted({(tracking_uri or p.resolved.spec.tracking.uri or mlflow.get_tracking_uri(),
-                      p.resolved.spec.tracking.experiment or p.resolved.spec.experiment.name) for p in points})
+                      p.resolved.spec.tracking_experiment) for p in points})
     held = contextlib.ExitStack()
     try:
         for uri, experiment in wanted:

@@ -98,7 +98,7 @@ def run_point(point: Point, name: str, tracking_uri: str | None, quiet: bool, ou
 
     parent = make_tracker(spec.tracking, tracking_uri)
     parent.point_group = group
-    parent.start(spec.tracking.experiment or spec.experiment.name, name, flatten(point.resolved.as_dict),
+    parent.start(spec.tracking_experiment, name, flatten(point.resolved.as_dict),
                  {"algorithm": spec.algorithm.name, "pfl.seeds": ",".join(map(str, point.seeds)),
                   **spec.tracking.tags})
     status = "FAILED"

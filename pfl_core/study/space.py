@@ -16,6 +16,8 @@ import numpy as np
 from pfl_core.errors import SpecError
 from pfl_core.spec import shown
 
+OWN_DESIGN_STREAM = 1  # the method's own keys: a Sobol design seeded by (experiment.seed, this)
+
 
 @attrs.frozen
 class Dimension:
@@ -120,6 +122,21 @@ def parse_dimension(key: str, entry: Any, path: str) -> Dimension:
 
 def parse_space(table: dict, where: str) -> list[Dimension]:
     return [parse_dimension(key, entry, f"{where}.{key}") for key, entry in table.items()]
+
+
+def sobol_design(space: list[Dimension], shared_keys: int, trials: int, seed: int) -> list[dict[str, Any]]:
+    """``trials`` points of ``space``, as each trial's values: its first ``shared_keys`` keys
+    (tune.space's, every point's) from a scrambled Sobol design seeded by ``seed`` (the same for
+    every point of the sweep), the method's own keys from the further dimensions of one seeded
+    by ``(seed, OWN_DESIGN_STREAM)``, row i of both in trial i."""
+    shared, own = space[:shared_keys], space[shared_keys:]
+    units = np.empty((trials, 0))
+    if shared:
+        units = _sobol(len(shared), trials, np.random.default_rng(seed))
+    if own:  # the dimensions after the shared ones: with them, one Sobol design of every key
+        own_units = _sobol(len(shared) + len(own), trials, np.random.default_rng([seed, OWN_DESIGN_STREAM]))
+        units = np.hstack([units, own_units[:, len(shared):]])
+    return [{dim.key: dim.at(float(u)) for dim, u in zip(space, row)} for row in units]
 
 
 def _sobol(dimensions: int, points: int, rng: np.random.Generator) -> np.ndarray:

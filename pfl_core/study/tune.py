@@ -65,7 +65,6 @@ import threading
 from typing import Any
 
 import attrs
-import numpy as np
 
 from pfl_core import registry
 from pfl_core.data.cache import DataCache
@@ -75,13 +74,12 @@ from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store, sqlite_uri
 from pfl_core.study.points import Point
-from pfl_core.study.space import EXAMPLE, Dimension, _sobol, edges, parse_space, sampler_words
+from pfl_core.study.space import EXAMPLE, Dimension, edges, parse_space, sampler_words, sobol_design
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
 STORAGE_FILE = "optuna.db"
 DESIGN_POINT = "pfl.design_point"  # user attribute of an enqueued trial: its row of the shared design
-OWN_DESIGN_STREAM = 1  # the method's own keys: a Sobol design seeded by (experiment.seed, this)
 PRUNER_STARTUP_TRIALS = 5  # trials that run whole before the median pruner stops any
 # A trial's metrics reach MLflow in one write at most this often (a write per round cost a short
 # trial a tenth of its time); a trial has no checkpoint a kill could leave ahead of them.
@@ -186,20 +184,9 @@ def tuned_raw(point: Point, values: dict[str, Any]) -> dict:
 
 
 def design(plan: TuningPlan, trials: int, seed: int) -> list[dict[str, Any]]:
-    """The shared design's ``trials`` points, as each trial's values: tune.space's keys from a
-    scrambled Sobol design seeded by ``seed`` (the same for every point of the sweep), the
-    method's own keys from the further dimensions of one seeded by ``(seed, OWN_DESIGN_STREAM)``,
-    row i of both in trial i."""
-    shared, own = plan.space[:plan.shared], plan.space[plan.shared:]
-    units = np.empty((trials, 0))
-    if shared:
-        units = _sobol(len(shared), trials, np.random.default_rng(seed))
-    if own:  # the dimensions after the shared ones: with them, one Sobol design of every key
-        own_units = _sobol(len(shared) + len(own), trials, np.random.default_rng([seed, OWN_DESIGN_STREAM]))
-        units = np.hstack([units, own_units[:, len(shared):]])
-    return [{dim.key: dim.at(float(u)) for dim, u in zip(plan.space, row)} for row in units]
-
-
+    """The shared design's ``trials`` points for ``plan``, as each trial's values
+    (:func:`~pfl_core.study.space.sobol_design`)."""
+    return sobol_design(plan.space, plan.shared, trials, seed)
 
 
 def _enqueue_design(study, plan: TuningPlan, trials: int, seed: int, done: list) -> None:
@@ -236,7 +223,7 @@ def study_name(plan: TuningPlan) -> str:
     raw["tune"]["sampler"] = plan.point.resolved.spec.tune.sampler
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=repr).encode()).hexdigest()[:12]
     spec = plan.point.resolved.spec
-    return f"{spec.tracking.experiment or spec.experiment.name}/{plan.name}/{digest}"
+    return f"{spec.tracking_experiment}/{plan.name}/{digest}"
 
 
 class Pruned(Stopped):
@@ -281,7 +268,7 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         _enqueue_design(study, plan, tune.trials, spec.experiment.seed, done)
         study._pop_waiting_trial_id = _one_at_a_time(study._pop_waiting_trial_id)
     parent = make_tracker(spec.tracking, tracking_uri)
-    parent.start(spec.tracking.experiment or spec.experiment.name, f"{plan.name} (tuning)",
+    parent.start(spec.tracking_experiment, f"{plan.name} (tuning)",
                  {**flatten(plan.point.resolved.as_dict), "tune.seeds": json.dumps(plan.seeds)},
                  {"algorithm": spec.algorithm.name, "pfl.tune.study": study.study_name, **spec.tracking.tags})
     status = "FAILED"

@@ -43,8 +43,8 @@ def check_store(section, uri_override: str | None = None, create: bool = True) -
 
 
 # the temporary store of a creation, and the files SQLite writes beside it while it is written
-CREATING = re.compile(r"^\.(.+)\.creating-(\d+)-[0-9a-f]+(?:-journal|-wal|-shm)?$")
 SQLITE_SIDE_FILES = ("-journal", "-wal", "-shm")
+CREATING = re.compile(rf"^\.(.+)\.creating-(\d+)-[0-9a-f]+(?:{'|'.join(SQLITE_SIDE_FILES)})?$")
 
 
 def create_sqlite_store(uri: str) -> None:

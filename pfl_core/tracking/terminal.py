@@ -112,7 +112,7 @@ def experiment_location(spec, study_id: str | None = None) -> str | None:
         return None
     import mlflow
 
-    name = spec.tracking.experiment or spec.experiment.name
+    name = spec.tracking_experiment
     uri = mlflow.get_tracking_uri()
     try:
         with journal.short_http():  # a server gone at the end of the run: said at once, not in minutes
