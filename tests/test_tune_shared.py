@@ -16,6 +16,7 @@ from scipy.stats import qmc
 from test_cli import write_spec
 from test_tune import kill_then_resume, runs_of, trials_of, tune_raw
 
+from pfl_core.cli import main
 from pfl_core.study import run_spec_file
 from pfl_core.study import tune as tune_module
 from pfl_core.study.points import resolve_points
@@ -170,6 +171,9 @@ def test_a_best_value_on_the_edge_of_those_tried_is_a_warning_and_a_tag(tmp_path
         assert "smallest" in parent.data.tags["pfl.tune.edge.training.lr"]
     else:
         assert "value tried" not in err and "pfl.tune.edge.training.lr" not in parent.data.tags
+    assert main(["results", "last", "--tracking-uri", uri]) == 0  # the header line of its table says it
+    tuned_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tuned:"))
+    assert ("; on the edge: fedavg training.lr=" in tuned_line and "is the smallest value tried" in tuned_line) == edge
 
 
 def test_edges_on_hand_built_trials():

@@ -153,6 +153,9 @@ def _sobol(dimensions: int, points: int, rng: np.random.Generator) -> np.ndarray
         return engine.random(points)
 
 
+EDGE_TAG = "pfl.tune.edge."  # + the key: on a tuning parent whose best value is on the edge of those tried
+
+
 def edges(trials: list, space: list[Dimension], values: dict[str, Any]) -> dict[str, str]:
     """The range keys whose best value is the smallest or the largest value the trials tried:
     the best may lie outside the range. Key -> the sentence that says so."""

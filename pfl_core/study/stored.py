@@ -26,7 +26,7 @@ from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print
 from pfl_core.study.results import comparison_csv
 from pfl_core.study.reuse import SUPERSEDED_TAG, TUNING_TAG
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
-from pfl_core.study.space import sampler_words
+from pfl_core.study.space import EDGE_TAG, sampler_words
 from pfl_core.study.stats import Summary, adjust, paired_difference, summarize
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
@@ -209,8 +209,11 @@ def _tuning_line(study: StoredStudy) -> str:
     params = parents[0].data.params
     trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
               "trials: " + ", ".join(f"{r.info.run_name.removesuffix(' (tuning)')} {n}" for r, n in zip(parents, counts)))
+    edges = [f"{r.info.run_name.removesuffix(' (tuning)')} {text}" for r in parents
+             for tag, text in sorted(r.data.tags.items()) if tag.startswith(EDGE_TAG)]
     return (f"tuned: {trials} on {params.get('tune.metric', '?')} ({params.get('tune.objective', '?')}), "
-            f"{sampler_words(params.get('tune.sampler', '?'))}, tuning seeds {params.get('tune.seeds', '?')}")
+            f"{sampler_words(params.get('tune.sampler', '?'))}, tuning seeds {params.get('tune.seeds', '?')}"
+            + "".join(f"; on the edge: {edge}" for edge in edges))
 
 
 # -- exports ---------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store, sqlite_uri
 from pfl_core.study.points import Point
-from pfl_core.study.space import EXAMPLE, Dimension, edges, parse_space, sampler_words, sobol_design
+from pfl_core.study.space import EDGE_TAG, EXAMPLE, Dimension, edges, parse_space, sampler_words, sobol_design
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
@@ -290,7 +290,7 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
             parent.log_param(f"best.{key}", value)
         for key, text in tuned.edges.items():
             warning_line(f"{plan.name}: {text}")
-            parent.set_tag(f"pfl.tune.edge.{key}", text)
+            parent.set_tag(EDGE_TAG + key, text)
         parent.log_text(tuned_spec_toml(tuned), "tuned_spec.toml")
         status = "FINISHED"
         return tuned
