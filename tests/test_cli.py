@@ -117,7 +117,10 @@ def test_run_prints_the_per_client_table_only_with_clients(tmp_path, capsys):
 def test_pfl_plugins_lists_builtins_with_versions_and_hooks(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    rows, name = {}, None
+    for line in out.splitlines()[1:]:  # a wrapped hooks column continues on indented lines
+        name = name if line.startswith(" ") else line.split()[0]
+        rows[name] = rows.get(name, "") + line
     for name in ("fedavg", "fedprox", "local", "centralized", "synthetic", "npz", "cifar100",
                  "dirichlet", "group_dirichlet", "lenet5", "vgg16"):
         assert name in rows, name

@@ -126,9 +126,14 @@ def test_pfl_plugins_lists_package_version_and_hook(site, tmp_path):
     proc = subprocess.run([_script("pfl"), "plugins"], cwd=tmp_path, env=_env(site),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split(None, 4) for line in proc.stdout.splitlines()]
-    row = next(r for r in rows if r[0] == "fedavgm_example")
-    name, kind, package, version, hooks = row
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("fedavgm_example "))
+    row = lines[start]
+    for line in lines[start + 1:]:  # the hooks column wraps onto indented lines
+        if not line.startswith(" "):
+            break
+        row += " " + line.strip()
+    name, kind, package, version, hooks = row.split(None, 4)
     assert (kind, package, version) == ("algorithm", "pfl-fedavgm", "0.1.0")
     assert "server_aggregate" in [h.strip() for h in hooks.split(",")]
 

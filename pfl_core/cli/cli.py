@@ -203,10 +203,9 @@ def plugins_main(name: str | None = None) -> int:
         rows.append((plugin, cls.kind, entry.distribution, entry.version, provides))
     order = {kind: i for i, kind in enumerate(registry.KINDS)}
     rows.sort(key=lambda r: (order.get(r[1], 99), r[0]))
-    header = ("name", "kind", "package", "version", "hooks")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
-    for row in [header, *rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row[:4], widths)) + "  " + row[4])
+    from pfl_core.registry.docgen import listing_lines
+
+    print("\n".join(listing_lines(("name", "kind", "package", "version", "hooks"), rows)))
     return 0
 
 
@@ -296,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins.add_argument("name", nargs="?", metavar="NAME",
                          help="show this plugin's docstring, parameters (type, default, constraint) and hooks")
     sub.add_parser("run", help="run a spec (same as pfl-run)", add_help=False)
+    from pfl_core.cli import new_plugin
+
+    new_plugin.add_parser(sub)  # pfl new plugin NAME
     replay = sub.add_parser("replay", help="send what runs could not log while their MLflow tracking server "
                                            "was away (their journals) to the server")
     replay.add_argument("journals", nargs="+", metavar="JOURNAL",
@@ -333,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plugins_main(args.name)
         if args.command == "docs":
             return docs_main(args.write, args.check)
+        if args.command == "new":
+            return new_plugin.new_main(args.name, args.dir)
         if args.command == "results":
             from pfl_core.study.stored import results_main
 

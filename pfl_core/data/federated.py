@@ -52,17 +52,19 @@ class ClientData:
     test_y: torch.Tensor
     indices: dict[str, np.ndarray]
     domain: Optional[int] = None
+    num_classes: Optional[int] = None  # the dataset's, so label_counts() has an entry per class
 
     @property
     def num_train(self) -> int:
         return int(self.train_y.shape[0])
 
     def label_counts(self, split: str = "train", num_classes: Optional[int] = None) -> np.ndarray:
-        """Samples per class in ``split``; length ``num_classes`` (else max label + 1)."""
+        """Samples per class in ``split``: one entry per class of the dataset (``num_classes``
+        of them, by default the run's), zeros for the classes this client lacks."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         y = getattr(self, f"{split}_y").detach().cpu().numpy()
-        return np.bincount(y, minlength=num_classes or 0).astype(np.int64)
+        return np.bincount(y, minlength=num_classes or self.num_classes or 0).astype(np.int64)
 
 
 @attrs.define(eq=False)
@@ -406,7 +408,7 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
         for name, pos in split_pos.items():
             tensors[f"{name}_x"] = _to_tensor(pool.take_x(pos), mean, std, device)
             tensors[f"{name}_y"] = _labels_tensor(pool.labels[pos], device)
-        clients.append(ClientData(id=i, indices=split_pos, domain=domain, **tensors))
+        clients.append(ClientData(id=i, indices=split_pos, domain=domain, num_classes=num_classes, **tensors))
 
     public = None
     if public_pos is not None:

@@ -16,7 +16,8 @@ Only the standard client side is trained this way; :func:`why_not_batched` decid
 - the ``local_train`` implementations are all ones that call ``client.train()`` once with no
   arguments and afterwards only read the trained model (:data:`TRAIN_ONCE`: the core default,
   Local's, and the partial-model family's: LG-FedAvg, FedSim);
-- the ``local_objective`` terms are the core cross-entropy, plus FedProx's proximal term;
+- the ``local_objective`` terms are the core cross-entropy, plus FedProx's proximal term, and
+  no plugin implements ``task_loss`` (which replaces the cross-entropy);
 - no plugin implements ``adjust_gradients`` (SCAFFOLD's and FedDyn's corrections);
 - ``training.optimizer = "sgd"``; the model has no buffers (BatchNorm) and no dropout;
   the participants share one architecture.
@@ -74,6 +75,8 @@ def why_not_batched(view, participants: list[int]) -> str | None:
     for impl in view.hooks.local_objective.get_hookimpls():
         if _qualified(impl) not in (CROSS_ENTROPY, PROXIMAL):
             return f"local_objective of {impl.plugin_name} is not cross-entropy or FedProx's term"
+    for impl in view.hooks.task_loss.get_hookimpls():
+        return f"task_loss of {impl.plugin_name} replaces the cross-entropy"
     for impl in view.hooks.adjust_gradients.get_hookimpls():
         return f"adjust_gradients of {impl.plugin_name} changes the gradients"
     archs = {view.models.arch_of(i) for i in participants}

@@ -44,7 +44,9 @@ class CoreDefaults:
 
     @hookimpl
     def local_objective(self, ctx, client, model, x, y, logits):
-        return F.cross_entropy(logits, y)
+        """The task term: a plugin's ``task_loss`` when one answers, else cross-entropy."""
+        task = ctx.hooks.task_loss(ctx=ctx, client=client, logits=logits, y=y)
+        return F.cross_entropy(logits, y) if task is None else task
 
     @hookimpl
     def client_upload(self, ctx, client):

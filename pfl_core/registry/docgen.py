@@ -255,6 +255,33 @@ def undescribed(distribution: str = DISTRIBUTION) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# `pfl plugins`: the listing
+
+LISTING_WIDTH = 100  # columns a `pfl plugins` line fits in
+MIN_LAST_COLUMN = 30  # narrower than this, the last column starts on a line of its own
+
+
+def listing_lines(header: tuple, rows: list[tuple], width: int = LISTING_WIDTH) -> list[str]:
+    """A plain-text table in ``width`` columns: every column but the last padded to its widest
+    cell; the last (``pfl plugins``' hooks, or a broken plugin's import error) wrapped between
+    words, its continuation lines indented under it."""
+    fixed = len(header) - 1
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(fixed)]
+    indent = sum(widths) + 2 * fixed
+    lines = []
+    for row in [header, *rows]:
+        lead = "  ".join(str(v).ljust(w) for v, w in zip(row[:fixed], widths)) + "  "
+        if width - indent >= MIN_LAST_COLUMN:
+            parts = textwrap.wrap(str(row[fixed]), width - indent) or [""]
+            lines.append((lead + parts[0]).rstrip())
+            lines += [" " * indent + part for part in parts[1:]]
+        else:  # very long names: the last column goes below the row, indented
+            lines.append(lead.rstrip())
+            lines += ["    " + part for part in textwrap.wrap(str(row[fixed]), width - 4)]
+    return lines
+
+
+# ---------------------------------------------------------------------------
 # The region in a file
 
 

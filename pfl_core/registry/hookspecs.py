@@ -8,7 +8,8 @@ A round, as the engine runs it (see docs/architecture.md)::
     for each participant i (through the executor, lazily):
         message = on_broadcast(ctx, client_id=i)           # bytes counted down
         on_receive(ctx, client, message)                   # client merges it
-        local_train(ctx, client)                           # batches call local_objective, and
+        local_train(ctx, client)                           # batches call local_objective (the
+                                                           # core's term asks task_loss), and
                                                            # adjust_gradients before each step
         upload  = client_upload(ctx, client)               # bytes counted up
         upload_lost(ctx, client_id=i)                      # only if implemented: True drops it
@@ -23,7 +24,7 @@ A round, as the engine runs it (see docs/architecture.md)::
 in ``client.state`` (engine-owned stores): plugins keep no state of their own between rounds,
 so a round can run elsewhere and a run can be checkpointed.
 
-Client-side hooks (``on_receive``, ``local_train``, ``local_objective``, ``adjust_gradients``,
+Client-side hooks (``on_receive``, ``local_train``, ``local_objective``, ``task_loss``, ``adjust_gradients``,
 ``client_upload``, ``personalized_models``, ``coldstart_personalize``) may use only their message, the client's
 own state (``client.*``) and read-only run data (``ctx.spec``, ``ctx.params``, ``ctx.data``,
 ``ctx.models``, ``ctx.round`` ...); never ``ctx.server``, ``ctx.store``, ``ctx.tracker`` or
@@ -89,7 +90,20 @@ class Hooks:
     @hookspec
     def local_objective(self, ctx, client, model, x, y, logits):
         """One term of the loss for one batch; the engine sums every plugin's term. The core
-        contributes cross-entropy(logits, y); FedProx adds its proximal term."""
+        contributes the task loss (``task_loss``'s answer, by default cross-entropy(logits, y));
+        FedProx adds its proximal term."""
+
+    @hookspec(firstresult=True)
+    def task_loss(self, ctx, client, logits, y):
+        """Client side: the task loss of one batch, a scalar tensor (the mean over the batch),
+        in place of the core's cross-entropy(logits, y); every ``local_objective`` term of the
+        method and the add-ons is still added to it. ``logits`` are the model's outputs for the
+        batch (``[batch, classes]``), ``y`` its labels. None defers to the next plugin, and
+        when no plugin answers the core's cross-entropy applies (bit for bit as without the
+        hook). The first non-None answer wins: the algorithm's, then the add-ons', last listed
+        first. It replaces the core's term only: a method whose ``client.train(loss_fn=...)``
+        computes a loss of its own does not call it. FedLC's calibrated cross-entropy is the
+        example in docs/writing-a-plugin.md."""
 
     @hookspec
     def adjust_gradients(self, ctx, client, model, optimizer):

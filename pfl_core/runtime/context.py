@@ -269,7 +269,12 @@ class Client:
         when training on the client's train split, public otherwise (the public set). Stops
         early when the round's ``batch_limit`` is spent (``take_batch``; a partial epoch
         counts the samples it ran). Every step calls the ``adjust_gradients`` hook between
-        ``backward()`` and ``optimizer.step()`` when a plugin implements it."""
+        ``backward()`` and ``optimizer.step()`` when a plugin implements it.
+
+        ``loss_fn(model, x, y, logits) -> scalar tensor``, when given, is each batch's whole
+        loss in place of ``self.objective``: no core cross-entropy, no ``task_loss``, no
+        ``local_objective`` term of the method or the add-ons (add ``self.objective(model, x,
+        y, logits)`` inside it to keep them)."""
         training = self.ctx.spec.training
         model = self.model if model is None else model
         if work is None:
@@ -336,10 +341,13 @@ class RunContext:
         if public is not None and len(public.indices):
             self.work_public_epochs += work.public / len(public.indices)
 
-    def record_pooled_work(self, epochs: float) -> None:
+    def record_pooled_work(self, epochs: float = 0.0, steps: int = 0) -> None:
         """Server-side training over every training client's pooled data (Centralized): each
-        client's private data was passed over ``epochs`` times."""
+        client's private data was passed over ``epochs`` times, in ``steps`` optimiser steps
+        over the pooled batches (the budget's per-client mean divides them over the training
+        clients, as it does the clients' own steps: the same epochs give about FedAvg's steps)."""
         self.work_private_epochs += epochs * len(self.training_clients)
+        self.work_private_steps += steps
 
     def budget_metrics(self) -> dict[str, float]:
         """Cumulative local work per training client, measured (compare with ``[budget]``)."""

@@ -12,6 +12,8 @@ from pfl_core.errors import NonFiniteError
 from pfl_core.spec import TrainingSection
 from pfl_core.spec.validators import ADAM_BETAS, optimizer_step_problem
 
+# ``loss_fn(model, x, y, logits) -> scalar tensor``: the whole loss of one mini-batch (``x`` its
+# inputs, ``y`` its labels, ``logits = model(x)``), the value ``backward()`` is called on.
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -67,6 +69,8 @@ def run_epochs(
 ) -> dict[str, float]:
     """Mini-batch training over (x, y) sliced by index: no DataLoader, no copies of the data.
 
+    Each step's loss is ``loss_fn(model, xb, yb, model(xb))`` and nothing else (``Client.train``
+    passes ``client.objective``, the sum of every ``local_objective`` term, unless given one).
     ``counter(samples)`` is told n after every epoch (work accounting: an epoch is one pass
     over the n samples, its dropped remainder included). ``take_batch()`` is asked before
     every step (``Client.take_batch``, a straggler's batch budget): False stops the training

@@ -25,6 +25,7 @@ def __getattr__(name: str):
 def partition_figure(table: np.ndarray, class_names=None, title: str = "partition"):
     """Client x class sample counts as a stacked bar chart (one bar per client)."""
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
     clients, classes = table.shape
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * clients + 2), 4))
     bottom = np.zeros(clients)
@@ -34,6 +35,11 @@ def partition_figure(table: np.ndarray, class_names=None, title: str = "partitio
         ax.bar(np.arange(clients), table[:, c], bottom=bottom, color=cmap(c % cmap.N), label=label, width=0.85)
         bottom += table[:, c]
     ax.set_xlabel("client")
+    if clients <= 20:  # client ids are integers (never 2.5): up to 20 all labelled, else a subset
+        ax.set_xticks(np.arange(clients))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(-0.6, clients - 0.4)
     ax.set_ylabel("samples")
     ax.set_title(title)
     if classes <= 20:
