@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--browser", help="Chromium executable (default: chromium or chromium-browser on PATH)")
     parser.add_argument("--dump-dom", action="store_true", help="also write each page's DOM beside its picture (.html)")
     parser.add_argument("--timeout", type=float, default=180, help="seconds allowed for each step (default 180)")
+    parser.add_argument("--store", type=Path, metavar="DIR",
+                        help="keep the sweep's MLflow store (mlflow.db, its artifacts) in DIR (default: a temporary "
+                             "folder, removed at the end)")
     args = parser.parse_args(argv)
 
     browser = find_browser(args.browser)
@@ -227,10 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow_screenshots: error: none of {', '.join(BROWSER_NAMES)} is on PATH (or give --browser)",
               file=sys.stderr)
         return 1
+    if args.store is not None and (args.store / "mlflow.db").exists():  # its runs would mix with the sweep's
+        print(f"mlflow_screenshots: error: --store: {args.store} already holds an mlflow.db; give a new folder",
+              file=sys.stderr)
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(prefix="pfl-mlflow-ui-") as tmp:
-            tracking_uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
+            folder = args.store or Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            tracking_uri = f"sqlite:///{folder.resolve() / 'mlflow.db'}"
             create_store(tracking_uri)
             # The UI starts while the sweep runs (both take seconds to import); the store exists
             # already, so neither creates its tables under the other's feet.

@@ -101,3 +101,15 @@ def test_apfl_steps_count_w_and_v_on_every_batch(local_epochs):
 def test_perfedavg_adaptation_before_each_evaluation_is_fine_tuning(eval_steps):
     final, _ = final_budget(**{"algorithm.name": "perfedavg", "algorithm.params.eval_steps": eval_steps})
     assert final["budget.finetune_steps"] == ROUNDS * eval_steps  # every round is evaluated
+
+
+@pytest.mark.parametrize("local_epochs", [1, 3])
+def test_centralized_counts_its_pooled_steps_shared_over_the_training_clients(local_epochs):
+    """Issue 35: centralized showed budget.private_steps 0 beside its epochs. Its steps are the
+    pooled data's batches per epoch (tiny: 4 clients of 84 -> 336 samples, drop_last: 33 batches
+    of 10), shared over the 4 training clients as their own steps are: 33 / 4 per epoch."""
+    result, engine = run_tiny(**{"algorithm.name": "centralized", "experiment.rounds": ROUNDS,
+                                 "training.batch_size": BATCH, "training.local_epochs": local_epochs})
+    assert [c.num_train for c in engine.ctx.data.clients] == [84] * 4 and engine.spec.training.drop_last
+    assert result.final["budget.private_epochs"] == ROUNDS * local_epochs
+    assert result.final["budget.private_steps"] == ROUNDS * local_epochs * 33 / 4

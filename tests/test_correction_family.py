@@ -146,7 +146,7 @@ def test_the_markdown_and_latex_exports_carry_the_familys_p_and_name_it(family):
     tex_line = next(line for line in tex.splitlines() if line.startswith("a &"))
     assert f"p={p:.3f}" in tex_line
     words = "all 6 comparisons of this table" if family == "table" else "each metric's 3 comparisons, a family per metric"
-    assert words in md and f"% mean" in tex and words in tex
+    assert words in md and "% comparison (3 seeds, mean ± 95% interval)" in tex and words in tex
 
 
 def test_the_family_is_a_spec_key_and_a_bad_value_is_one_line_naming_it(tmp_path, capsys):

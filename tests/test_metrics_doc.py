@@ -41,7 +41,7 @@ def shape(line: str) -> str:
     """A line with its numbers and times replaced, its spacing collapsed: what the doc promises
     of a line, not the values one run happens to give (nor where a column's text starts)."""
     line = SECONDS.sub("<time>", line)
-    line = line.replace("p=<", "p=")  # p=<0.001
+    line = line.replace("p<", "p=")  # p<0.001
     line = re.sub(r"(p=[\d.]+) \*(?= |$)", r"\1", line)  # significance depends on the numbers
     line = NUMBER.sub("N", line)
     return " ".join(line.split())

@@ -3,7 +3,8 @@
 Skips where no Chromium is on PATH (``apt-get install chromium`` on Debian). Otherwise a tiny
 two-point sweep over two seeds is logged, ``mlflow ui`` started on its store, and the two links
 pfl-run printed (``charts:``, ``table:``) and the compare view are screenshotted and their DOM
-dumped by headless Chromium: the tests read what the pages show.
+dumped by headless Chromium: the tests read what the pages show, and the sweep's store (kept
+with ``--store``) what its runs hold.
 """
 
 import subprocess
@@ -12,7 +13,10 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 from PIL import Image
+
+from pfl_core.tracking.plots import method_colour
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "mlflow_screenshots.py"
@@ -56,7 +60,7 @@ every = 1
 [sweep]
 "algorithm.name" = ["local", "fedavg"]
 """
-CHART_WINDOW = (1200, 800)
+CHART_WINDOW = (1600, 1000)  # the study's charts' heading whole beside MLflow's assistant panel
 TABLE_WINDOW = (2400, 800)  # the table draws only the columns in its window
 COMPARE_WINDOW = (1200, 1400)
 
@@ -84,6 +88,13 @@ def matching_runs(dom: str) -> int:
     return int(texts[texts.index("matching runs") - 1])
 
 
+def chart_titles(dom: str) -> list[str]:
+    """The chart view's section headings and chart titles in page order: the texts after the
+    runs list ("matching runs") up to the "Add section" button."""
+    texts = page_text_list(dom)
+    return texts[texts.index("matching runs") + 1: texts.index("Add section")]
+
+
 @pytest.fixture(scope="module")
 def pictures(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("mlflow_ui")
@@ -91,7 +102,7 @@ def pictures(tmp_path_factory) -> Path:
     spec.write_text(SPEC)
     out = folder / "pictures"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--spec", str(spec), "--dump-dom",
+        [sys.executable, str(SCRIPT), str(out), "--spec", str(spec), "--dump-dom", "--store", str(folder / "store"),
          "--window-size", "{},{}".format(*CHART_WINDOW), "--table-window-size", "{},{}".format(*TABLE_WINDOW), "--compare-window-size", "{},{}".format(*COMPARE_WINDOW)],
         capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -130,7 +141,47 @@ def test_the_printed_charts_link_plots_each_point_and_nothing_else(pictures):
     assert not any(text.startswith("ui_check ") or "seed=" in text for text in texts)
     for run in ("local", "fedavg"):
         assert run in texts
-        assert f"{run} (acc_mean)" in dom and f"{run} (acc_mean_ci95)" in dom
+        for series in ("acc_mean", "acc_mean_ci95_lower", "acc_mean_ci95_upper"):
+            assert f"{run} ({series})" in texts, series
+
+
+@needs_browser
+def test_the_charts_link_opens_on_accuracy_with_its_interval_and_the_difference_from_the_reference(pictures):
+    titles = chart_titles((pictures / mlflow_screenshots.CHART_PICTURE).with_suffix(".html").read_text())
+    # First the study's heading, naming the reference, then its two charts (a chart's title is
+    # its metric keys: the mean and its interval's ends in one chart; the paired differences),
+    # and only then MLflow's section of every other metric, collapsed: none of its charts drawn.
+    heading = titles.index("acc_mean, Δ vs local")
+    accuracy = titles.index("acc_mean vs acc_mean_ci95_lower vs acc_mean_ci95_upper")
+    difference = titles.index("delta_acc_mean")
+    assert heading == 0 and heading < accuracy < difference < titles.index("Model metrics")
+    assert not any(title.startswith(("acc_p10", "comm_up_bytes", "acc_mean_std")) for title in titles)
+    # local is the reference: the difference chart has a bar for fedavg alone
+    assert "fedavg" in titles[difference:] and "local" not in titles[difference:titles.index("Model metrics")]
+
+
+@needs_browser
+def test_each_method_is_drawn_in_its_own_colour(pictures):
+    dom = (pictures / mlflow_screenshots.CHART_PICTURE).with_suffix(".html").read_text()
+    texts = page_text_list(dom)
+    # the runs list shows each run's colour (its hex value, then its name); the study's order
+    # is the comparison's (local, fedavg): tab10's blue, then its orange
+    colours = {name: texts[texts.index(name) - 1] for name in ("local", "fedavg")}
+    assert colours == {"local": method_colour(0), "fedavg": method_colour(1)} == {"local": "#1f77b4",
+                                                                                  "fedavg": "#ff7f0e"}
+    assert "rgb(31, 119, 180)" in dom and "rgb(255, 127, 14)" in dom  # the charts draw them
+
+
+@needs_browser
+def test_each_points_parent_run_holds_its_mean_curve_picture(pictures):
+    client = MlflowClient(f"sqlite:///{pictures.parent / 'store' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("ui_check")
+    points = client.search_runs([experiment.experiment_id], "tags.`pfl.point` != ''")
+    assert sorted(run.info.run_name for run in points) == ["fedavg", "local"]
+    for run in points:
+        assert "results/acc_mean_curves.png" in {a.path for a in client.list_artifacts(run.info.run_id, "results")}
+        with Image.open(client.download_artifacts(run.info.run_id, "results/acc_mean_curves.png")) as image:
+            assert image.format == "PNG"
 
 
 @needs_browser

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -15,6 +17,7 @@ from tiny import tiny_raw
 
 from pfl_core.cli import main
 from pfl_core.study import run_spec_file, stats
+from pfl_core.study.report import p_text
 from pfl_core.study.stored import curves, find, load, studies
 
 
@@ -37,7 +40,8 @@ def store(tmp_path_factory):
                       "evaluation.every": 1, "experiment.name": "sweep_study"})
     raw["sweep"] = {"algorithm.name": ["fedavg", "local", "fedprox"]}
     printed = io.StringIO()
-    results = run_spec_file(write_spec(folder, raw), [], quiet=True, tracking_uri=uri, out=printed)
+    results = run_spec_file(write_spec(folder, raw), [], quiet=True, tracking_uri=uri, out=printed,
+                            out_dir=str(folder / "out"))
     single = tiny_raw(**{"experiment.rounds": 1, "tracking.enabled": True, "experiment.name": "single_study"})
     run_spec_file(write_spec(folder, single, "single.toml"), [], quiet=True, tracking_uri=uri, out=io.StringIO())
     mlflow.set_tracking_uri(None)
@@ -90,25 +94,92 @@ def test_exports_bold_the_best_and_carry_the_numbers(store, capsys):
     by_name = {r.name: r for r in results}
     best = max(results, key=lambda r: r.summary["acc_mean"].mean)
     _, md, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "markdown")
-    assert md.splitlines()[0] == ("| run | seeds | acc_mean | acc_p10 | budget.private_epochs | budget.private_steps "
-                                  "| Δacc_mean vs fedavg | Δacc_p10 vs fedavg |")
+    assert md.splitlines()[0] == ("| run | seeds | rounds | acc_mean | acc_p10 | comm_up_bytes | budget.private_epochs "
+                                  "| budget.private_steps | Δacc_mean vs fedavg | Δacc_p10 vs fedavg |")
     row = next(line for line in md.splitlines() if line.startswith(f"| {best.name} |"))
+    assert row.split(" | ")[1:3] == ["2", "2"]  # 2 seeds, 2 rounds
     budget = [f"{best.summary[k].mean:g}" for k in ("budget.private_epochs", "budget.private_steps")]
-    assert row.split(" | ")[4:6] == budget and float(budget[1]) > float(budget[0])  # both units, each its own
+    assert row.split(" | ")[6:8] == budget and float(budget[1]) > float(budget[0])  # both units, each its own
     assert f"**{best.summary['acc_mean'].mean:.4f} ± {best.summary['acc_mean'].ci95:.4f}**" in row
     assert sum(line.count("**") for line in md.splitlines() if "acc_mean" not in line) == 2 * 2  # one per column
     _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "latex")
     assert tex.startswith(r"\begin{tabular}") and rf"\textbf{{{best.summary['acc_mean'].mean:.4f}}} \pm" in tex
     assert "fedavg" in tex and r"\bottomrule" in tex
-    assert r"run & acc\_mean & acc\_p10 & $\Delta$ acc\_mean vs fedavg & $\Delta$ acc\_p10 vs fedavg \\" in tex
+    assert (r"run & seeds & rounds & acc\_mean & acc\_p10 & comm\_up\_bytes & budget.private\_epochs & "
+            r"budget.private\_steps & $\Delta$ acc\_mean vs fedavg & $\Delta$ acc\_p10 vs fedavg \\") in tex
     _, text, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "csv")
     rows = {r["run"]: r for r in csv.DictReader(io.StringIO(text))}
     for name in ("fedavg", "local", "fedprox"):
-        assert float(rows[name]["acc_mean_mean"]) == pytest.approx(by_name[name].summary["acc_mean"].mean)
-        assert float(rows[name]["acc_mean_ci95"]) == pytest.approx(by_name[name].summary["acc_mean"].ci95)
+        assert float(rows[name]["acc_mean"]) == by_name[name].summary["acc_mean"].mean  # unrounded
+        assert float(rows[name]["acc_mean_ci95"]) == by_name[name].summary["acc_mean"].ci95
+        assert (rows[name]["seeds"], rows[name]["rounds"]) == ("2", "2")
 
 
-def test_the_plot_draws_each_methods_mean_curve_over_its_seeds(store, capsys, tmp_path):
+def _header_cells(line: str) -> list[str]:
+    return re.split(r" {2,}", line.strip())
+
+
+def test_every_format_has_the_terminals_columns_and_the_same_numbers(store, capsys):
+    """One table model: the terminal, Markdown, LaTeX and CSV name the same columns in the same
+    order (CSV: a mean and its _ci95, a difference's mean, _low, _high, _p, _p_adjusted), and
+    the CSV's unrounded numbers print as the terminal's cells."""
+    uri, _, results = store
+    _, out, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri)
+    block = comparison_block(out).splitlines()
+    terminal = _header_cells(block[1])
+    assert terminal == ["run", "seeds", "rounds", "acc_mean", "acc_p10", "comm_up_bytes", "budget.private_epochs",
+                        "budget.private_steps", "Δacc_mean vs fedavg", "Δacc_p10 vs fedavg"]
+    _, md, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "markdown")
+    assert md.splitlines()[0].strip("| ").split(" | ") == terminal
+    _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "latex")
+    header = next(line for line in tex.splitlines() if line.startswith("run & "))
+    assert [c.replace("$\\Delta$ ", "Δ").replace("\\_", "_") for c in header.removesuffix(r" \\").split(" & ")] == terminal
+    _, text, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "csv")
+    table = list(csv.DictReader(io.StringIO(text)))
+    assert list(table[0]) == ["run", "seeds", "rounds", "acc_mean", "acc_mean_ci95", "acc_p10", "acc_p10_ci95",
+                              "comm_up_bytes", "budget.private_epochs", "budget.private_steps",
+                              *[f"delta_{k}{part}" for k in ("acc_mean", "acc_p10")
+                                for part in ("", "_low", "_high", "_p", "_p_adjusted")]]
+    for line, row in zip(block[2:2 + len(results)], table):
+        cells = re.split(r" {2,}", line.strip())
+        assert cells[:3] == [row["run"], row["seeds"], row["rounds"]]
+        assert cells[3] == f"{float(row['acc_mean']):.4f} ± {float(row['acc_mean_ci95']):.4f}"
+        assert cells[6:8] == [f"{float(row[k]):g}" for k in ("budget.private_epochs", "budget.private_steps")]
+        if row["run"] == "fedavg":  # the compared-to run: no difference from itself
+            assert cells[8:] == ["-", "-"] and row["delta_acc_mean"] == ""
+            continue
+        d = stats.Summary(float(row["delta_acc_mean"]), math.nan, math.nan, 2, float(row["delta_acc_mean_p"]),
+                          float(row["delta_acc_mean_p_adjusted"]))
+        low, high = float(row["delta_acc_mean_low"]), float(row["delta_acc_mean_high"])
+        assert cells[8] == (f"{d.mean:+.4f} [{low:+.4f}, {high:+.4f}] {p_text(d.p_adjusted)}"
+                            + (" *" if d.significant else ""))
+
+
+def test_pfl_results_shows_the_rounds_each_point_ran(tmp_path, capsys):
+    """A sweep over experiment.rounds: each row says its own rounds, in the table and the CSV."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(**{"tracking.enabled": True})
+    raw["sweep"] = {"experiment.rounds": [1, 3]}
+    run_spec_file(write_spec(tmp_path, raw), [], quiet=True, tracking_uri=uri, out=io.StringIO())
+    mlflow.set_tracking_uri(None)
+    _, out, _ = pfl(capsys, "results", "last", "--tracking-uri", uri)
+    rows = comparison_block(out).splitlines()[2:4]
+    assert [row.split()[:3] for row in rows] == [["fedavg", "rounds=1", "1"], ["fedavg", "rounds=3", "1"]]
+    assert [_header_cells(row)[2] for row in rows] == ["1", "3"]
+    _, text, _ = pfl(capsys, "results", "last", "--tracking-uri", uri, "--format", "csv")
+    assert [(r["run"], r["rounds"]) for r in csv.DictReader(io.StringIO(text))] == [("fedavg rounds=1", "1"),
+                                                                                   ("fedavg rounds=3", "3")]
+
+
+def test_out_writes_the_same_table_csv_as_pfl_results(store, capsys):
+    """pfl-run --out's table.csv is the printed table, as `pfl results --format csv` exports it."""
+    uri, _, _ = store
+    folder = uri.removeprefix("sqlite:///").removesuffix("/mlflow.db")
+    _, text, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--format", "csv")
+    assert (Path(folder) / "out" / "table.csv").read_bytes().decode() == text
+
+
+def test_the_plot_draws_each_methods_mean_curve_over_its_seeds(store, capsys, tmp_path, monkeypatch):
     uri, _, results = store
     client = MlflowClient(tracking_uri=uri)
     table = load(client, find(studies(client), "sweep"))
@@ -122,9 +193,18 @@ def test_the_plot_draws_each_methods_mean_curve_over_its_seeds(store, capsys, tm
                                         if row["round"] == step])
             assert means[i] == pytest.approx(expected.mean) and half[i] == pytest.approx(expected.ci95)
     picture = tmp_path / "curves.png"
-    code, _, err = pfl(capsys, "results", "last", "--tracking-uri", uri, "--plot", str(picture), "--format", "csv")
+    code, out, err = pfl(capsys, "results", "last", "--tracking-uri", uri, "--plot", str(picture), "--format", "csv")
     assert code == 0, err
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # where the picture went, on stderr: stdout is the CSV alone
+    said = f"plot: {picture} (acc_mean by round, each point's mean over 1 seed(s) with its 95% band)"
+    assert err.splitlines() == [said]
+    assert out.splitlines()[0].startswith("run,seeds,rounds,")
+    # a relative path is said in full
+    monkeypatch.chdir(tmp_path)
+    _, _, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--plot", "rel.png")
+    said = f"plot: {tmp_path / 'rel.png'} (acc_mean by round, each point's mean over 2 seed(s) with its 95% band)"
+    assert err.splitlines() == [said] and (tmp_path / "rel.png").is_file()
     code, _, err = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--plot", str(tmp_path / "x.png"),
                        "--metric", "acc_meen")
     assert code == 2 and "did you mean 'acc_mean'" in one_line_error(err)
@@ -195,8 +275,7 @@ def test_paired_compares_two_metrics_of_the_same_runs_per_point_holm_adjusted(st
         assert row[2].startswith(f"{point.summary['acc_mean'].mean:.4f} ± ")
         assert row[3].startswith(f"{point.summary['acc_p10'].mean:.4f} ± ")
         assert row[4].startswith(f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]")
-        if d.p_adjusted >= 0.001:
-            assert f"p={d.p_adjusted:.3f}" in row[4]
+        assert p_text(d.p_adjusted) in row[4]
     # reversed, the difference changes sign and nothing else
     _, reverse, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_p10,acc_mean")
     first = next(line for line in reverse.splitlines() if line.startswith(f"| {results[0].name} |"))
@@ -218,7 +297,8 @@ def test_paired_csv_holds_the_unrounded_numbers_and_latex_the_markdown_cells(sto
         assert int(row["seeds"]) == 2
         assert float(row["acc_mean"]) == pytest.approx(point.summary["acc_mean"].mean)
         assert float(row["acc_p10_ci95"]) == pytest.approx(point.summary["acc_p10"].ci95)
-        got = [float(row[k]) for k in ("difference", "difference_low", "difference_high", "p", "p_adjusted")]
+        got = [float(row[k]) for k in ("difference", "difference_low", "difference_high", "difference_p",
+                                       "difference_p_adjusted")]
         assert got == pytest.approx([d.mean, d.low, d.high, d.p, d.p_adjusted])
     _, tex, _ = pfl(capsys, "results", "sweep", "--tracking-uri", uri, "--paired", "acc_mean,acc_p10",
                     "--format", "latex")

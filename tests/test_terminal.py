@@ -84,5 +84,7 @@ def test_quiet_prints_only_summaries_and_the_comparison(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[0].startswith("-- fedavg: acc_mean") and lines[1].startswith("-- local: acc_mean")
     assert lines[2].startswith("== comparison (same seed, same partition) ==")
-    assert lines[3].split() == ["run", "acc_mean", "acc_p10", "comm_up_bytes", "budget.private_epochs"]
+    assert lines[3].split() == ["run", "seeds", "rounds", "acc_mean", "acc_p10", "comm_up_bytes",
+                                "budget.private_epochs", "budget.private_steps"]
+    assert lines[4].split()[:3] == ["fedavg", "1", "1"]  # one run of 1 round
     assert len(lines) == 6 and "tracking:" not in out

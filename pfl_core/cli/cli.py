@@ -180,6 +180,9 @@ def interrupted_line(exc: BaseException) -> str:
     if out_dir:
         where.append(f"the runs that finished in {out_dir}/ (marked INCOMPLETE)")
     line = f"{text}; results: {', '.join(where)}" if where else f"{text}; nothing of it was tracked"
+    study = getattr(exc, "study_resume", None)  # a study of several runs: the command that completes it
+    if study:
+        return f"{line}; {study}"
     resume = getattr(exc, "resume", None)
     return f"{line}; continue it with: {resume}" if resume else line
 

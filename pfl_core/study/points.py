@@ -75,11 +75,42 @@ def resolve_points(raw: dict, overrides: list[str], sweeps: list[str] = (), no_s
         try:
             points.append(Point(settings, resolve(point), point, base))
         except SpecError as exc:
-            if settings:  # say which sweep point broke
+            if settings and point_is_to_blame(exc, settings, base):  # say which sweep point broke
                 where = ", ".join(f"{k}={shown(v)}" for k, v in settings.items())
                 raise SpecError(exc.path, f"{exc.message} (sweep point {where}){per_method_hint(raw, exc)}") from None
             raise
     return points
+
+
+PLUGIN_SELECTORS = ("name", "scheme")  # the key that picks a table's plugin, which decides its params
+
+
+def point_is_to_blame(exc: SpecError, settings: dict[str, Any], base: dict) -> bool:
+    """Whether a sweep point's error comes from the point: the failing key is one the point sets
+    (or lies in a table it sets, or in the params of the plugin it picks), or the spec's own
+    tables, without the sweep, validate (the point's value broke a rule between two keys). A
+    typo or a wrong type in the spec's own tables is the spec's, not the point's."""
+    if any(_sets_key(key, exc.path) for key in swept_keys(settings)):
+        return True
+    try:
+        resolve(base)
+    except SpecError:
+        return False
+    return True
+
+
+def swept_keys(settings: dict[str, Any]) -> list[str]:
+    """The dotted keys a point sets (a ``sweep.points`` entry's own keys)."""
+    return [k for key, value in settings.items() for k in (value if key == POINTS else [key])]
+
+
+def _sets_key(key: str, path: str) -> bool:
+    """Whether setting ``key`` decides the value at the error's ``path``."""
+    within = lambda inner, outer: inner == outer or inner.startswith((outer + ".", outer + "["))  # noqa: E731
+    if within(path, key) or within(key, path):
+        return True
+    table, _, last = key.rpartition(".")
+    return bool(table) and last in PLUGIN_SELECTORS and within(path, f"{table}.params")
 
 
 def per_method_hint(raw: dict, exc: SpecError) -> str:

@@ -3,6 +3,7 @@
 ``DIR`` holds::
 
     spec.toml                  the spec as run (after --set/--sweep; ``pfl-run DIR/spec.toml`` runs it again)
+    table.csv                  the printed comparison table, its columns unrounded (as ``pfl results --format csv``)
     comparison.csv             one row per run / sweep point: seeds, and per final metric its mean and ci95
     differences.csv            paired differences over common seeds: each run vs the compared-to run, and
                                the gains over the reference runs (experiment.reference)
@@ -29,9 +30,11 @@ from pathlib import Path
 from pfl_core.errors import PflError
 from pfl_core.spec import dump_toml
 from pfl_core.study.compare import COMPARED, GAINS, comparisons
+from pfl_core.study.report import comparison_table, table_csv_text
 from pfl_core.study.stats import Summary
 from pfl_core.tracking.tables import table_csv
 
+TABLE = "table.csv"
 COMPARISON = "comparison.csv"
 DIFFERENCES = "differences.csv"
 SPEC = "spec.toml"
@@ -74,7 +77,7 @@ class ResultsDir:
             self.mark_incomplete(f"pfl-run (process {os.getpid()}) is writing these results; this file is "
                                  f"removed when they are complete")
             # --overwrite: only the files a previous pfl-run wrote are removed, never anything else
-            for name in (COMPARISON, DIFFERENCES):
+            for name in (TABLE, COMPARISON, DIFFERENCES):
                 (self.path / name).unlink(missing_ok=True)
             runs = self.path / "runs"
             if runs.is_dir():
@@ -95,7 +98,7 @@ class ResultsDir:
 
     def write_results(self, results: list, compare_to: str | None, complete: bool = True,
                       correction: str = "holm", family: str = "table") -> None:
-        """comparison.csv, differences.csv and each run's per-client CSV; ``complete``: then the
+        """table.csv, comparison.csv, differences.csv and each run's per-client CSV; ``complete``: then the
         ``INCOMPLETE`` mark is removed."""
         with self._writing():
             self._write_results(results, compare_to, correction, family)
@@ -125,6 +128,9 @@ class ResultsDir:
                     header = list(run.client_rows[0])
                     (folder / filename).write_text(
                         table_csv(header, [[r.get(k, "") for k in header] for r in run.client_rows]), encoding="utf-8")
+        if results:
+            table = comparison_table(results, compare_to or results[0].name, correction, family)
+            (self.path / TABLE).write_text(table_csv_text(table), encoding="utf-8")
         (self.path / COMPARISON).write_text(comparison_csv(results), encoding="utf-8")
         (self.path / DIFFERENCES).write_text(differences_csv(results, compare_to, correction, family), encoding="utf-8")
 
@@ -151,7 +157,7 @@ def comparison_csv(results: list) -> str:
             s = r.summary.get(k)
             row += [_num(s.mean), _num(s.ci95)] if s is not None else ["", ""]
         rows.append(row)
-    return table_csv(header, rows)
+    return table_csv(header, rows, exact=True)
 
 
 # p_family: the comparisons p_adjusted was adjusted over ("table": the printed table's,
@@ -186,7 +192,7 @@ def differences_csv(results: list, compare_to: str | None, correction: str = "ho
             for key, vs in zip(GAINS, ("best reference (acc_mean)", "local (acc_mean)")):
                 if key in r.summary:
                     rows.append(_diff_row(r.name, vs, key, r.summary[key], "none" if correction == "none" else key))
-    return table_csv(DIFF_HEADER, rows)
+    return table_csv(DIFF_HEADER, rows, exact=True)
 
 
 def dumps_spec(raw: dict) -> str:

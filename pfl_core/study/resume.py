@@ -3,6 +3,7 @@ spec and the code are the ones it was written with, and continue the run in the 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from pfl_core.state.checkpoint import CHECKPOINT_TAG, checkpoints
 from pfl_core.state.locations import beside_store, plain_uri, sqlite_file
 from pfl_core.study.points import PointResult, resolve_points
 from pfl_core.study.report import print_point
+from pfl_core.study.reuse import SUPERSEDED_TAG
 from pfl_core.study.stats import summarize
-from pfl_core.tracking.tracker import make_tracker
+from pfl_core.tracking.study import RESUME_TAG
+from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, make_tracker
 
 
 def resume_run(target: str, spec_path: str | None, overrides: list[str], *, tracking_uri: str | None = None,
@@ -64,7 +67,35 @@ def resume_run(target: str, spec_path: str | None, overrides: list[str], *, trac
     result = PointResult(name, [spec.experiment.seed], [run], {k: summarize([v]) for k, v in run.final.items()},
                          run.run_id, spec.algorithm.name)
     print_point(result, out, clients)
+    if run.run_id and uri:
+        rest = rest_of_study(run.run_id, plain_uri(uri), name)
+        if rest:
+            print(f"note: {rest}", file=sys.stderr)
     return [result]
+
+
+def rest_of_study(run_id: str, uri: str, name: str) -> str | None:
+    """For a run of a study of several runs: the command that completes the rest of the study
+    (``pfl-run SPEC --resume``, which keeps this run now that it finished, and those that did),
+    as the study recorded it (:data:`~pfl_core.tracking.study.RESUME_TAG`); for a study logged
+    before pfl recorded it, how to write it. None for a run on its own, or one of a study that
+    another study already continued."""
+    import mlflow
+
+    try:
+        tags = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
+    except Exception:  # noqa: BLE001 - the store went away after the run: nothing more to say
+        return None
+    if SUPERSEDED_TAG in tags or STUDY_TAG not in tags:
+        return None
+    where = f"run {name!r} is one run of study {tags[STUDY_TAG]}; complete the rest of the study with"
+    command = tags.get(RESUME_TAG)
+    if command:
+        return f"{where}: {command} --tracking-uri {shlex.quote(uri)}"
+    if PARENT_TAG in tags:
+        return (f"{where} its spec: pfl-run SPEC --resume --tracking-uri {shlex.quote(uri)}, adding the --set and "
+                f"--sweep options the study was started with")
+    return None
 
 
 def load_toml_text(text: str) -> dict:

@@ -53,6 +53,7 @@ from pfl_core.state import checkpoint, provenance
 from pfl_core.state.checkpoint import CHECKPOINT_TAG
 from pfl_core.state.locations import process_running, sqlite_file
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
+from pfl_core.tracking.study import RESUME_TAG
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG, TRACKING_URI_TAG, current_study
 
@@ -63,7 +64,7 @@ TUNING_TAG = "pfl.tune.study"  # a tuning's runs: the Optuna study its trials ar
 CLIENTS_TABLE = "results/clients.csv"
 # Tags that belong to a run's place (its study, parent, store) or are MLflow's own: the copy gets
 # its new ones from the tracker that starts it.
-PLACE_TAGS = (STUDY_TAG, POINT_TAG, GROUP_TAG, TRACKING_URI_TAG, PARENT_TAG)
+PLACE_TAGS = (STUDY_TAG, POINT_TAG, GROUP_TAG, TRACKING_URI_TAG, PARENT_TAG, RESUME_TAG)
 
 
 @attrs.define

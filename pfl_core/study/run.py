@@ -4,13 +4,18 @@ comparison, and write ``--out``; every step below is its own module of this pack
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import shlex
 import sys
+from pathlib import Path
 
 import attrs
 
 from pfl_core.data.cache import DataCache
 from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.spec import apply_overrides, load_toml
+from pfl_core.state.locations import sqlite_file
 from pfl_core.study.points import (
     PointResult,
     build_key,
@@ -27,7 +32,7 @@ from pfl_core.study.results import ResultsDir, check_target, dumps_spec
 from pfl_core.study.reuse import Reuse, hold_resume_locks
 from pfl_core.study.seeds import RunCounter, log_differences, log_gains, log_study_figures, run_point
 from pfl_core.study.tune import describe, plan_tuning, tune_point, tuned_spec_toml, values_text
-from pfl_core.tracking.store_check import check_store
+from pfl_core.tracking.store_check import DEFAULT_URI, check_store
 from pfl_core.tracking.study import begin_study, studied
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import current_study
@@ -47,6 +52,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     finished final runs are kept (:mod:`pfl_core.study.reuse`)."""
 
     out = out or sys.stdout
+    given = {"overrides": overrides, "sweeps": sweeps, "no_sweep": no_sweep, "yes": yes}  # as the user gave them
     if no_tracking:
         overrides = [*overrides, "tracking.enabled=false"]
     notes: list[str] = []
@@ -60,12 +66,18 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     references = reference_points(points)
     check_size(points, references, dry_run, yes, plans)
     stores = {tracking_uri or p.resolved.spec.tracking.uri: p.resolved.spec.tracking for p in points}
-    for section in stores.values():  # a store that cannot be used is said now, before any training
-        check_store(section, tracking_uri, create=not dry_run)  # a dry run creates nothing
+    # A store that cannot be used is said now, before any data loads; a new SQLite store is made
+    # only once every point's data and models built (a missing data file leaves no mlflow.db).
+    for section in stores.values():
+        check_store(section, tracking_uri, create=False)  # a look at a SQLite file; creates nothing
+        if not dry_run and not is_sqlite_store(section, tracking_uri):
+            check_store(section, tracking_uri)  # a server: probed now, in seconds
     if dry_run:
         if out_dir is not None:
             check_target(out_dir, overwrite)  # said now, though a dry run writes nothing
-        dry_run_report(points, out)
+        page = io.StringIO()  # printed once every point built: a data error comes alone, not after it
+        dry_run_report(points, page)
+        out.write(page.getvalue())
         for label, _ in references:
             print(f"# reference run: {label} (same data and seeds)", file=out)
         if plans:
@@ -75,6 +87,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             print(f"# {describe(plans)}", file=out)
         return []
     check_every_point_builds([*points, *(ref for _, ref in references)])
+    for section in stores.values():
+        if is_sqlite_store(section, tracking_uri):
+            check_store(section, tracking_uri)  # a new one is created now
     # Which reference run each point is (None: its own runs), decided once. A tuned point runs at
     # its tuned configuration, never as the (untuned) reference run it looks like before tuning.
     reuses = [None if plans else next((i for i, (_, ref) in enumerate(references) if same_run(point, ref)), None)
@@ -82,9 +97,16 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     own_points = [p for p, reused in zip(points, reuses) if reused is None]
     # A parent run over the sweep points and reference runs; none for one run or one point's seeds.
     top_level = len(references) + len(own_points)
+    final_runs = sum(len(p.seeds or [0]) for p in [*(ref for _, ref in references), *own_points])
+    tracked = points[0].resolved.spec.tracking.enabled
+    several = final_runs > 1 or bool(plans)  # a study: one run's own --resume would leave the rest undone
+    if several and tracked and current_study() is not None:  # each run names it (--resume RUN says it)
+        current_study().resume = study_command(str(Path(path).resolve()), resume=True, **given)
     begin_study(path, points[0].resolved.spec.experiment.description, points[0].resolved.spec.tracking,
                 tracking_uri, *study_params(points), parent=top_level > 1, tuned=bool(plans))
     compare_to = points[0].resolved.spec.experiment.compare_to or names[0]
+    if current_study() is not None:  # each method's colour: its place in the comparison as planned
+        current_study().methods = [*names, *(label for i, (label, _) in enumerate(references) if i not in reuses)]
     correction = points[0].resolved.spec.report.correction
     family = points[0].resolved.spec.report.correction_family
     # the store's finished runs are looked up only where there is a store; one SPEC --resume of a
@@ -161,6 +183,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
             if study is not None and study.parent is not None:
                 log_study_figures(study.parent, shown)
     except BaseException as exc:
+        if isinstance(exc, Interrupted) and several:  # the command that completes the study, not the one run
+            exc.study_resume = study_resume_line(path, given, final_runs, bool(plans), tracked, tracking_uri,
+                                                 no_tracking, out_dir)
         if results_dir is not None:
             done = shown or [*finished(), *partial]
             reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if str(exc) else type(exc).__name__
@@ -183,6 +208,40 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     if not quiet:  # --quiet: the summaries and the comparison only
         print_locations(points[0], out_dir, out)
     return shown
+
+
+def study_command(spec: str, *, resume: bool, overrides=(), sweeps=(), no_sweep: bool = False, yes: bool = False,
+                  tracking_uri: str | None = None, no_tracking: bool = False, out_dir: str | None = None) -> str:
+    """The ``pfl-run`` command of a study with the options it was given, quoted to paste into a
+    shell; ``resume``: ``SPEC --resume``, which keeps the runs that finished and does the rest."""
+    words = ["pfl-run", spec, *(["--resume"] if resume else [])]
+    words += [word for value in overrides for word in ("--set", value)]
+    words += [word for value in sweeps for word in ("--sweep", value)]
+    words += [flag for flag, on in (("--no-sweep", no_sweep), ("--yes", yes), ("--no-tracking", no_tracking)) if on]
+    if tracking_uri:
+        words += ["--tracking-uri", tracking_uri]
+    if out_dir:  # the folder holds this study's partial results (INCOMPLETE): the complete ones replace them
+        words += ["--out", out_dir, "--overwrite"]
+    return shlex.join(words)
+
+
+def study_resume_line(path: str, given: dict, final_runs: int, tuned: bool, tracked: bool,
+                      tracking_uri: str | None, no_tracking: bool, out_dir: str | None) -> str:
+    """What an interrupted study of several runs says to do next: the command that completes
+    the whole study (an untracked study keeps nothing: the command that runs it again)."""
+    size = f"its tuning and {final_runs} runs" if tuned else f"{final_runs} runs"
+    options = dict(given, tracking_uri=tracking_uri, no_tracking=no_tracking, out_dir=out_dir)
+    if not tracked:
+        return f"run the whole study ({size}; untracked, nothing is kept) again with: " \
+               f"{study_command(path, resume=False, **options)}"
+    return (f"continue the whole study ({size}; those that finished are kept) with: "
+            f"{study_command(path, resume=True, **options)}")
+
+
+def is_sqlite_store(section, tracking_uri: str | None) -> bool:
+    """Whether a tracking section logs to a SQLite file (made on first use), as check_store finds it."""
+    uri = tracking_uri or section.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    return section.enabled and sqlite_file(uri) is not None
 
 
 def diverged_line(point, name: str, exc: NonFiniteError, partial: list[PointResult]) -> str:

@@ -13,8 +13,17 @@ from pfl_core.study.points import Point, PointResult, _is_algorithm_key
 from pfl_core.study.report import COMPARED, print_run_line
 from pfl_core.study.reuse import Reuse
 from pfl_core.study.stats import Summary, paired_difference, summarize
+from pfl_core.tracking.links import CURVE_METRIC, interval_ends
+from pfl_core.tracking.study import method_colours
 from pfl_core.tracking.tables import table_csv
-from pfl_core.tracking.tracker import flatten, log_accuracy_distribution, make_tracker, run_status
+from pfl_core.tracking.tracker import (
+    NullTracker,
+    current_study,
+    flatten,
+    log_accuracy_distribution,
+    make_tracker,
+    run_status,
+)
 
 
 @attrs.define
@@ -70,8 +79,13 @@ def log_differences(point: Point, results: list[PointResult], compare_to: str, t
     """Each point's paired differences from the compared-to run on the table's metrics, logged
     to its (parent) run: ``delta_<metric>``, ``_ci95``, ``_p``, ``_p_adjusted``."""
     ref = next((r for r in results if r.name == compare_to), results[0])
+    study = current_study()
+    if study is not None:  # the MLflow study view's colours and its heading's reference
+        study.compared = list(zip([r.run_id for r in results], method_colours([r.name for r in results])))
     if len(ref.runs) < 2:
         return  # one seed: no interval, no test
+    if study is not None:
+        study.compare_to = ref.name
     spec = point.resolved.spec
     found = comparisons(results, ref, [k for k in COMPARED if k in ref.summary], spec.report.correction,
                         spec.report.correction_family)
@@ -165,10 +179,16 @@ def log_seed_summary(tracker, result: PointResult) -> None:
     for step, summaries in curves.items():
         if step != last:  # the last round's values are the final ones, below
             series = {k: v for key, s in summaries.items() for k, v in ((key, s.mean), (f"{key}_ci95", s.ci95))}
+            if CURVE_METRIC in summaries:  # the interval's ends: the study view draws them as lines
+                curve = summaries[CURVE_METRIC]
+                series.update(interval_ends(CURVE_METRIC, curve.mean, curve.ci95))
             tracker.log_metrics({k: v for k, v in series.items() if not math.isnan(v)}, step=step)
     metrics = {}
     for key, s in result.summary.items():
         metrics.update({key: s.mean, f"{key}_std": s.std, f"{key}_ci95": s.ci95})
+    if CURVE_METRIC in result.summary:
+        final = result.summary[CURVE_METRIC]
+        metrics.update(interval_ends(CURVE_METRIC, final.mean, final.ci95))
     finite = {k: v for k, v in metrics.items() if not math.isnan(v)}
     if finite:
         tracker.log_metrics(finite, step=last)
@@ -178,9 +198,7 @@ def log_seed_summary(tracker, result: PointResult) -> None:
         tracker.log_text(table_csv(["seed", *keys], rows), "results/seeds.csv")
     log_accuracy_distribution(tracker, [(f"seed={seed}", run.client_rows) for seed, run in zip(result.seeds, result.runs)],
                               f"{result.name}: final accuracy per client, by seed")
-
-
-CURVE_METRIC = "acc_mean"
+    log_mean_curves(tracker, [result], f"{result.name}: {CURVE_METRIC} by round, {len(result.runs)} seed(s)")
 
 
 def point_curve(result: PointResult, metric: str = CURVE_METRIC) -> tuple[list[int], list[float], list[float]]:
@@ -191,20 +209,33 @@ def point_curve(result: PointResult, metric: str = CURVE_METRIC) -> tuple[list[i
     return rounds, [curves[r][metric].mean for r in rounds], [curves[r][metric].ci95 for r in rounds]
 
 
+def log_mean_curves(tracker, results: list[PointResult], title: str, metric: str = CURVE_METRIC) -> bool:
+    """``results/<metric>_curves.png``: each result's mean curve over its seeds with its 95%
+    band, on the study's parent run (every point) and on each point's parent run (its own).
+    Whether there was a curve to draw; nothing is drawn with tracking off."""
+    from pfl_core.tracking import plots
+
+    drawn = [(r.name, *point_curve(r, metric)) for r in results]
+    drawn = [d for d in drawn if d[1]]
+    if not drawn or type(tracker) is NullTracker:
+        return bool(drawn)
+    figure = plots.mean_curves_figure(drawn, metric, title, method_colours([d[0] for d in drawn]))
+    try:
+        tracker.log_figure(figure, f"results/{metric}_curves.png")
+    finally:
+        plots.close(figure)
+    return True
+
+
 def log_study_figures(tracker, results: list[PointResult], metric: str = CURVE_METRIC) -> None:
     """The study parent's pictures: every point's mean curve with its band
     (``results/<metric>_curves.png``) and its final mean with its interval
     (``results/final_<metric>.png``)."""
     from pfl_core.tracking import plots
 
-    drawn = [(r.name, *point_curve(r, metric)) for r in results]
-    drawn = [d for d in drawn if d[1]]
-    if not drawn:
+    seeds = max((len(r.runs) for r in results), default=0)
+    if not log_mean_curves(tracker, results, f"{metric} by round, {seeds} seed(s)", metric):
         return
-    seeds = max(len(r.runs) for r in results)
-    figure = plots.mean_curves_figure(drawn, metric, f"{metric} by round, {seeds} seed(s)")
-    tracker.log_figure(figure, f"results/{metric}_curves.png")
-    plots.close(figure)
     rows = [(r.name, r.summary[metric].mean, r.summary[metric].ci95) for r in results if metric in r.summary]
     figure = plots.final_means_figure(rows, metric, f"final {metric}, {seeds} seed(s)")
     tracker.log_figure(figure, f"results/final_{metric}.png")

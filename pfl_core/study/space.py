@@ -175,3 +175,15 @@ def edges(trials: list, space: list[Dimension], values: dict[str, Any]) -> dict[
 def sampler_words(sampler: str) -> str:
     """How a table's header names ``tune.sampler``: ``shared Sobol design``, ``tpe sampler``."""
     return "shared Sobol design" if sampler == "shared" else f"{sampler} sampler"
+
+
+def tuning_header(trials: dict[str, int], metric: str, objective: str, sampler: str, seeds: str,
+                  edges: list[str]) -> str:
+    """The line above a tuned study's table (pfl-run's and ``pfl results``'s): ``tuned: 20 trials
+    each on val_acc_mean (final), shared Sobol design, tuning seeds [5]``, then each point whose
+    best value is on the edge of those tried (``edges``: ``POINT SENTENCE``)."""
+    counts = list(trials.values())
+    said = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
+            "trials: " + ", ".join(f"{name} {n}" for name, n in trials.items()))
+    return (f"tuned: {said} on {metric} ({objective}), {sampler_words(sampler)}, tuning seeds {seeds}"
+            + "".join(f"; on the edge: {edge}" for edge in edges))

@@ -9,24 +9,31 @@ rebuilt from their top-level runs the same way."""
 
 from __future__ import annotations
 
-import csv
 import datetime
-import io
-import math
 import os
+import sys
 
 import attrs
 
 from pfl_core.engine import RunResult
 from pfl_core.errors import PflError, did_you_mean
 from pfl_core.state.locations import plain_uri, sqlite_file
-from pfl_core.study.compare import adjust_gains, comparisons, family_note
+from pfl_core.study.compare import adjust_gains
 from pfl_core.study.points import PointResult
-from pfl_core.study.report import COMPARED, budget_columns, left_out_line, print_comparison, print_table
-from pfl_core.study.results import comparison_csv
+from pfl_core.study.report import (
+    Column,
+    ResultsTable,
+    comparison_table,
+    left_out_line,
+    print_comparison,
+    print_table,
+    table_csv_text,
+    table_latex,
+    table_markdown,
+)
 from pfl_core.study.reuse import SUPERSEDED_TAG, TUNING_TAG
 from pfl_core.study.seeds import gains, point_curve, summarize_runs
-from pfl_core.study.space import EDGE_TAG, sampler_words
+from pfl_core.study.space import EDGE_TAG, tuning_header
 from pfl_core.study.stats import Summary, adjust, paired_difference, summarize
 from pfl_core.tracking.links import GROUP_TAG, POINT_TAG
 from pfl_core.tracking.tracker import PARENT_TAG, STUDY_TAG
@@ -165,7 +172,9 @@ def load(client, study: StoredStudy) -> Table:
         if run.info.status in ("FAILED", "KILLED") and len(points) > 1:  # pfl-run left it out of its table
             left_out.append(_stopped(run, runs))
             continue
-        finals = [RunResult(history=[], client_rows=[], final=dict(r.data.metrics), run_id=r.info.run_id) for r in runs]
+        # the history the table needs: each run's last round (curves() reads the per-round values)
+        finals = [RunResult(history=[{"round": _last_round(client, r)}], client_rows=[], final=dict(r.data.metrics),
+                            run_id=r.info.run_id) for r in runs]
         seeds = [int(r.data.params.get("experiment.seed", 0)) for r in runs]
         results.append(PointResult(run.info.run_name, seeds, finals, summarize_runs(finals), run.info.run_id,
                                    run.data.tags.get("algorithm", ""), run.data.tags.get(GROUP_TAG, ""), seeded))
@@ -184,6 +193,14 @@ def load(client, study: StoredStudy) -> Table:
                  left_out, family)
 
 
+def _last_round(client, run) -> int | None:
+    """The last round a stored run ran: its spec's rounds when it finished, else the last step
+    it logged a round at."""
+    if run.info.status == "FINISHED" and "experiment.rounds" in run.data.params:
+        return int(run.data.params["experiment.rounds"])
+    return max((m.step for m in client.get_metric_history(run.info.run_id, "round_seconds")), default=None)
+
+
 def _stopped(point, runs: list) -> str:
     """The line pfl-run printed under its table for a point that stopped part-way."""
     diverged = [r for r in runs if "pfl.diverged" in r.data.tags]
@@ -200,129 +217,39 @@ def _is_reference(result: PointResult) -> bool:
 
 
 def _tuning_line(study: StoredStudy) -> str:
-    parents = [r for r in study.runs if TUNING_TAG in r.data.tags and TRIAL_TAG not in r.data.tags
-               and r.info.run_name.endswith("(tuning)")]
+    parents = sorted((r for r in study.runs if TUNING_TAG in r.data.tags and TRIAL_TAG not in r.data.tags
+                      and r.info.run_name.endswith("(tuning)")), key=lambda r: r.info.start_time)  # as tuned
     if not parents:
         return ""
+    names = [r.info.run_name.removesuffix(" (tuning)") for r in parents]
     counts = [int(sum(r.data.metrics.get(f"trials_{state}", 0) for state in ("complete", "pruned", "diverged")))
               for r in parents]
     params = parents[0].data.params
-    trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
-              "trials: " + ", ".join(f"{r.info.run_name.removesuffix(' (tuning)')} {n}" for r, n in zip(parents, counts)))
-    edges = [f"{r.info.run_name.removesuffix(' (tuning)')} {text}" for r in parents
+    edges = [f"{name} {text}" for name, r in zip(names, parents)
              for tag, text in sorted(r.data.tags.items()) if tag.startswith(EDGE_TAG)]
-    return (f"tuned: {trials} on {params.get('tune.metric', '?')} ({params.get('tune.objective', '?')}), "
-            f"{sampler_words(params.get('tune.sampler', '?'))}, tuning seeds {params.get('tune.seeds', '?')}"
-            + "".join(f"; on the edge: {edge}" for edge in edges))
+    return tuning_header(dict(zip(names, counts)), params.get("tune.metric", "?"), params.get("tune.objective", "?"),
+                         params.get("tune.sampler", "?"), params.get("tune.seeds", "?"), edges)
 
 
-# -- exports ---------------------------------------------------------------------------------
+# -- exports: the table model of pfl_core.study.report, in each format --------------------------
 
 
-def _columns(table: Table) -> tuple[list[str], dict]:
-    """The table's metric columns and its paired differences (as the printed table has them)."""
-    results = table.results
-    ref = next((r for r in results if r.name == table.compare_to), results[0])
-    keys = [k for k in COMPARED if any(k in r.summary for r in results)]
-    diffs = comparisons(results, ref, keys, table.correction, table.family) if len(ref.runs) > 1 else {}
-    return keys, diffs
-
-
-def _lower_is_better(key: str) -> bool:
-    return "loss" in key or "bytes" in key
-
-
-def _best(results: list[PointResult], key: str) -> float:
-    means = [r.summary[key].mean for r in results if key in r.summary and not math.isnan(r.summary[key].mean)]
-    if not means:
-        return math.nan
-    return min(means) if _lower_is_better(key) else max(means)
-
-
-def _cell(s: Summary, digits: int = 4) -> tuple[str, str]:
-    return f"{s.mean:.{digits}f}", ("" if s.n < 2 or math.isnan(s.ci95) else f"{s.ci95:.{digits}f}")
-
-
-def _mean_ci(s: Summary, pm: str) -> str:
-    """``mean ± ci`` (``pm`` between them), or the mean alone where there is no interval."""
-    return pm.join(x for x in _cell(s) if x)
-
-
-def _delta(d: Summary) -> str:
-    if d.n < 2:
-        return f"{d.mean:+.4f}"
-    p = "" if math.isnan(d.p_adjusted) else f", p={d.p_adjusted:.3f}" if d.p_adjusted >= 0.001 else ", p<0.001"
-    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{p}{'*' if d.significant else ''}"
+def comparison(table: Table) -> ResultsTable:
+    """The stored study's comparison table, as pfl-run built it (:func:`comparison_table`)."""
+    return comparison_table(table.results, table.compare_to, table.correction, table.family, table.left_out)
 
 
 def markdown(table: Table) -> str:
-    keys, diffs = _columns(table)
-    ref = table.compare_to
-    delta_keys = [k for k in keys if any(key == k for _, key in diffs)]
-    # what "the same budget" was, per run, in both conventions (passes and optimiser steps)
-    budgets = [*budget_columns(table.results, "passes"), *budget_columns(table.results, "steps")]
-    header = ["run", "seeds", *keys, *budgets, *[f"Δ{k} vs {ref}" for k in delta_keys]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in table.results:
-        cells = [r.name, str(len(r.runs))]
-        for k in keys:
-            if k not in r.summary:
-                cells.append("-")
-                continue
-            mean, ci = _cell(r.summary[k])
-            text = f"{mean} ± {ci}" if ci else mean
-            cells.append(f"**{text}**" if r.summary[k].mean == _best(table.results, k) else text)
-        cells += [f"{r.summary[k].mean:g}" if k in r.summary else "-" for k in budgets]
-        cells += [_delta(diffs[(r.name, k)]) if (r.name, k) in diffs else "-" for k in delta_keys]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join([*([f"_{table.tuned}_", ""] if table.tuned else []), *lines, "", _footnote(table),
-                      *(f"\nleft out: {line}" for line in table.left_out)]) + "\n"
+    return (f"_{table.tuned}_\n\n" if table.tuned else "") + table_markdown(comparison(table))
 
 
 def latex(table: Table) -> str:
-    """A booktabs tabular: mean ± ci95 (the best mean of each column in bold), and the paired
-    differences with their interval and adjusted p; needs ``\\usepackage{booktabs}``."""
-    keys, diffs = _columns(table)
-    delta_keys = [k for k in keys if any(key == k for _, key in diffs)]
-    header = ["run", *[k.replace("_", r"\_") for k in keys],
-              *[rf"$\Delta$ {k.replace('_', chr(92) + '_')} vs {_tex(table.compare_to)}" for k in delta_keys]]
-    lines = [r"\begin{tabular}{l" + "c" * (len(header) - 1) + "}", r"\toprule", " & ".join(header) + r" \\",
-             r"\midrule"]
-    for r in table.results:
-        cells = [_tex(r.name)]
-        for k in keys:
-            if k not in r.summary:
-                cells.append("--")
-                continue
-            mean, ci = _cell(r.summary[k])
-            if r.summary[k].mean == _best(table.results, k):
-                mean = rf"\textbf{{{mean}}}"
-            cells.append(f"${mean} \\pm {ci}$" if ci else f"${mean}$")
-        for k in delta_keys:
-            d = diffs.get((r.name, k))
-            cells.append("--" if d is None else _latex_delta(d))
-        lines.append(" & ".join(cells) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", f"% {_footnote(table)}"]
-    if table.tuned:
-        lines.append(f"% {table.tuned}")
-    return "\n".join(lines) + "\n"
+    """A booktabs tabular of the table's columns; needs ``\\usepackage{booktabs}``."""
+    return table_latex(comparison(table)) + (f"% {table.tuned}\n" if table.tuned else "")
 
 
-def _latex_delta(d: Summary) -> str:
-    p = "" if math.isnan(d.p_adjusted) else f", $p={max(d.p_adjusted, 0.001):.3f}$"
-    return f"${d.mean:+.4f}$ [{d.low:+.4f}, {d.high:+.4f}]{p}" + ("$^*$" if d.significant else "")
-
-
-def _tex(text: str) -> str:
-    for char in ("\\", "&", "%", "$", "#", "_", "{", "}"):
-        text = text.replace(char, "\\" + char if char != "\\" else r"\textbackslash{}")
-    return text
-
-
-def _footnote(table: Table) -> str:
-    n = max(len(r.runs) for r in table.results)
-    return (f"mean ± 95% interval over {n} seed(s); Δ: paired difference over the same seeds with its 95% interval; "
-            f"{family_note(_columns(table)[1], table.correction, table.family)}")
+def csv_text(table: Table) -> str:
+    return table_csv_text(comparison(table))
 
 
 def within_runs(table: Table, first: str, second: str) -> list[tuple[str, Summary, Summary, Summary]]:
@@ -341,45 +268,19 @@ def within_runs(table: Table, first: str, second: str) -> list[tuple[str, Summar
     return [(r.name, summarize(r.values(first)), summarize(r.values(second)), d) for r, d in zip(complete, differences)]
 
 
-def within_markdown(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
-                    correction: str) -> str:
-    lines = [f"| run | seeds | {first} | {second} | {first} - {second} |", "|---|---|---|---|---|"]
-    for name, a, b, d in rows:
-        lines.append(f"| {name} | {a.n} | {_mean_ci(a, ' ± ')} | {_mean_ci(b, ' ± ')} | {_delta(d)} |")
-    return "\n".join([*lines, "", _within_note(correction)]) + "\n"
-
-
-def _within_note(correction: str) -> str:
+def within_table(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
+                 correction: str) -> ResultsTable:
+    """``--paired``'s table: per point its seeds, ``first``, ``second`` and their paired
+    difference, in every format as the comparison's columns are."""
     p = "p: paired t-test, Holm-adjusted over the runs" if correction == "holm" else "p: paired t-test, unadjusted"
-    return f"mean ± 95% interval over the seeds; the difference is paired by seed (the same runs); {p}; * = adjusted p < 0.05"
-
-
-def within_csv(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str) -> str:
-    """One number per cell, unrounded: for a plotting or analysis script."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["run", "seeds", first, f"{first}_ci95", second, f"{second}_ci95", "difference",
-                     "difference_low", "difference_high", "p", "p_adjusted"])
-    for name, a, b, d in rows:
-        writer.writerow([name, a.n, *(f"{v:.10g}" for v in (a.mean, a.ci95, b.mean, b.ci95, d.mean, d.low, d.high,
-                                                                d.p, d.p_adjusted))])
-    return out.getvalue()
-
-
-def within_latex(rows: list[tuple[str, Summary, Summary, Summary]], first: str, second: str,
-                 correction: str) -> str:
-    """A booktabs tabular of ``within_markdown``'s cells; needs ``\\usepackage{booktabs}``."""
-    lines = [r"\begin{tabular}{lcccc}", r"\toprule",
-             " & ".join(["run", "seeds", _tex(first), _tex(second), f"{_tex(first)} $-$ {_tex(second)}"]) + r" \\",
-             r"\midrule"]
-    for name, a, b, d in rows:
-        cells = ["$" + _mean_ci(s, r" \pm ") + "$" for s in (a, b)]
-        lines.append(" & ".join([_tex(name), str(a.n), *cells, _latex_delta(d)]) + r" \\")
-    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}", f"% {_within_note(correction)}"]) + "\n"
-
-
-def csv_text(table: Table) -> str:
-    return comparison_csv(table.results)
+    note = (f"mean ± 95% interval over the seeds; the difference is paired by seed (the same runs); {p}; "
+            f"* = adjusted p < 0.05")
+    columns = (Column("run", "run", "text", tuple(name for name, *_ in rows)),
+               Column("seeds", "seeds", "count", tuple(a.n for _, a, _, _ in rows)),
+               Column(first, first, "summary", tuple(a for _, a, _, _ in rows)),
+               Column(second, second, "summary", tuple(b for _, _, b, _ in rows)),
+               Column(f"{first} - {second}", "difference", "difference", tuple(d for *_, d in rows)))
+    return ResultsTable(note, columns)
 
 
 def curves(client, table: Table, metric: str) -> list[tuple[str, list[float], list[float], list[float]]]:
@@ -387,9 +288,12 @@ def curves(client, table: Table, metric: str) -> list[tuple[str, list[float], li
     interval's half-width."""
     out = []
     for result in table.results:
-        for run in result.runs:  # the run's history, as the run had it: one row per logged step
-            run.history = [{"round": m.step, metric: m.value} for m in client.get_metric_history(run.run_id, metric)]
-        steps, means, half = point_curve(result, metric)
+        # each run's history, as the run had it: one row per logged step (the table's runs are
+        # left as they are: their rounds are the table's)
+        runs = [attrs.evolve(run, history=[{"round": m.step, metric: m.value}
+                                           for m in client.get_metric_history(run.run_id, metric)])
+                for run in result.runs]
+        steps, means, half = point_curve(attrs.evolve(result, runs=runs), metric)
         if steps:
             out.append((result.name, steps, means, half))
     return out
@@ -416,15 +320,15 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
     study = find(found, wanted)
     table = load(client, study)
     if plot is not None:
-        draw(client, table, metric, plot, study)
+        draw(client, table, metric, plot, study, sys.stderr)  # stderr: stdout may be the CSV
     if paired is not None:
-        rows = within_runs(table, *paired)
+        within = within_table(within_runs(table, *paired), *paired, table.correction)
         if fmt == "csv":
-            out.write(within_csv(rows, *paired))
+            out.write(table_csv_text(within))
         elif fmt == "latex":
-            out.write(within_latex(rows, *paired, table.correction))
+            out.write(table_latex(within))
         else:  # markdown, and the default table
-            out.write(within_markdown(rows, *paired, table.correction))
+            out.write(table_markdown(within))
         return 0
     if fmt == "markdown":
         out.write(markdown(table))
@@ -441,7 +345,9 @@ def results_main(wanted: str | None, tracking_uri: str | None, fmt: str, plot: s
     return 0
 
 
-def draw(client, table: Table, metric: str, path: str, study: StoredStudy) -> None:
+def draw(client, table: Table, metric: str, path: str, study: StoredStudy, err) -> None:
+    """``--plot``: each point's mean curve of ``metric`` with its 95% band into ``path``; says
+    on ``err`` where the picture is."""
     from pfl_core.tracking import plots
 
     drawn = curves(client, table, metric)
@@ -456,3 +362,5 @@ def draw(client, table: Table, metric: str, path: str, study: StoredStudy) -> No
         raise PflError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plots.close(figure)
+    print(f"plot: {os.path.abspath(path)} ({metric} by round, each point's mean over {seeds} seed(s) with its "
+          f"95% band)", file=err)

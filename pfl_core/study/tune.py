@@ -74,7 +74,7 @@ from pfl_core.execution.planner import ExecutorCache
 from pfl_core.spec import dump_toml, set_dotted, shown
 from pfl_core.state.locations import beside_store, sqlite_uri
 from pfl_core.study.points import Point
-from pfl_core.study.space import EDGE_TAG, EXAMPLE, Dimension, edges, parse_space, sampler_words, sobol_design
+from pfl_core.study.space import EDGE_TAG, EXAMPLE, Dimension, edges, parse_space, sobol_design, tuning_header
 from pfl_core.tracking.terminal import warning_line
 from pfl_core.tracking.tracker import flatten, make_tracker, run_status
 
@@ -97,6 +97,7 @@ class TuningPlan:
     space: list[Dimension]
     seeds: list[int]
     ran: int | None = None  # trials that ran to the end or were pruned, once tuned
+    edges: dict[str, str] = attrs.field(factory=dict)  # once tuned: Tuned.edges
     shared: int = 0  # the first ``shared`` dimensions of ``space`` are tune.space's (every point's)
 
 
@@ -283,7 +284,7 @@ def tune_point(plan: TuningPlan, tracking_uri: str | None, quiet: bool, resume: 
         study.optimize(objective, n_trials=max(tune.trials - len(done), 0), n_jobs=tune.parallel, catch=(),
                        callbacks=callbacks)
         tuned = _best(study, plan)
-        plan.ran = tuned.ran
+        plan.ran, plan.edges = tuned.ran, tuned.edges
         parent.log_metrics({"best_objective": tuned.objective, "trials_complete": float(tuned.complete),
                             "trials_pruned": float(tuned.pruned), "trials_diverged": float(tuned.diverged)}, step=0)
         for key, value in tuned.values.items():
@@ -449,8 +450,6 @@ def values_text(values: dict[str, Any]) -> str:
 def describe(plans: list[TuningPlan]) -> str:
     """``tuned: 20 trials each on val_acc_mean (final), seeds [5]`` for the table's header."""
     tune = plans[0].point.resolved.spec.tune
-    counts = [tune.trials if p.ran is None else p.ran for p in plans]
-    trials = (f"{counts[0]} trials each" if len(set(counts)) == 1 else
-              "trials: " + ", ".join(f"{p.name} {n}" for p, n in zip(plans, counts)))
-    return (f"tuned: {trials} on {tune.metric} ({tune.objective}), {sampler_words(tune.sampler)}, "
-            f"tuning seeds {plans[0].seeds}")
+    return tuning_header({p.name: tune.trials if p.ran is None else p.ran for p in plans}, tune.metric,
+                         tune.objective, tune.sampler, str(plans[0].seeds),
+                         [f"{p.name} {text}" for p in plans for _, text in sorted(p.edges.items())])

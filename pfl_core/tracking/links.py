@@ -5,6 +5,7 @@ tests/test_mlflow_ui.py)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from urllib.parse import quote, urlencode
 
@@ -49,14 +50,74 @@ def study_view_key(study_id: str) -> str:
     return f"pfl-study-{study_id}"
 
 
-def save_study_view(client, experiment_id: str, study_id: str, title: str) -> None:
+# The study view's first charts. MLflow's line charts draw no band around a line (only the
+# min-max of a group of runs), so a point's parent run logs its 95% interval's ends beside its
+# mean curve, and one chart draws the three in the run's colour: the mean solid, the ends dashed.
+CURVE_METRIC = "acc_mean"
+LOWER, UPPER = "_ci95_lower", "_ci95_upper"
+CURVE_KEYS = (CURVE_METRIC, f"{CURVE_METRIC}{LOWER}", f"{CURVE_METRIC}{UPPER}")
+DIFFERENCE_KEY = f"delta_{CURVE_METRIC}"  # each run's paired difference from the compared-to run
+MODEL_METRICS_SECTION = "Model metrics"  # where MLflow's UI puts every other metric's chart
+RUN_COLOR_TAG = "mlflow.runColor"  # a run's colour in the UI's charts and runs list
+
+
+def interval_ends(metric: str, mean: float, half_width: float) -> dict[str, float]:
+    """``<metric>_ci95_lower`` and ``_upper``, the 95% interval's ends the chart view draws
+    (none where the interval is unknown: one seed)."""
+    if not (math.isfinite(mean) and math.isfinite(half_width)):
+        return {}
+    return {f"{metric}{LOWER}": mean - half_width, f"{metric}{UPPER}": mean + half_width}
+
+
+def study_section_name(compare_to: str | None) -> str:
+    """The study's charts' heading: the chart view shows a chart's metric keys as its title,
+    never a title of its own, so the heading names what the differences are taken against
+    (short: the view cuts a long heading)."""
+    return f"{CURVE_METRIC}, Δ vs {compare_to}" if compare_to else f"{CURVE_METRIC} by round"
+
+
+def study_charts(compare_to: str | None, runs: int) -> dict:
+    """The chart view's state: a first section (``study_section_name``) holding the accuracy
+    chart (each run's mean curve between its interval's ends) and, where the study compares
+    its runs, the bar chart of their paired differences from ``compare_to``; MLflow's chart of
+    every other metric after it, collapsed."""
+    shown = max(10, runs)  # the UI draws only the first 10 runs of a chart unless told more
+    # displayName: the title where a UI shows one (3.17's runs view shows the metric keys)
+    accuracy = {"uuid": "pfl-study-accuracy", "type": "LINE", "metricSectionId": "pfl-study", "deleted": False,
+                "isGenerated": False, "runsCountToCompare": shown, "metricKey": CURVE_METRIC,
+                "selectedMetricKeys": list(CURVE_KEYS),
+                "displayName": f"{CURVE_METRIC} by round: mean over seeds (solid), 95% interval (dashed)",
+                "xAxisKey": "step", "useGlobalXaxisKey": False, "lineSmoothness": 0, "useGlobalLineSmoothing": False,
+                "scaleType": "linear", "xAxisScaleType": "linear", "displayPoints": True}
+    charts = [accuracy]
+    if compare_to:
+        charts.append({"uuid": "pfl-study-difference", "type": "BAR", "metricSectionId": "pfl-study",
+                       "deleted": False, "isGenerated": False, "runsCountToCompare": shown,
+                       "metricKey": DIFFERENCE_KEY,
+                       "displayName": f"Δ vs {compare_to}: final {CURVE_METRIC}, paired over seeds"})
+    sections = [{"uuid": "pfl-study", "name": study_section_name(compare_to), "display": True, "isReordered": True,
+                 "columns": 2},  # two charts side by side, wider than the UI's three columns
+                {"uuid": "pfl-model-metrics", "name": MODEL_METRICS_SECTION, "display": False, "isReordered": False}]
+    # isAccordionReordered keeps the sections in this order (the UI sorts them by name otherwise)
+    return {"compareRunCharts": charts, "compareRunSections": sections, "isAccordionReordered": True,
+            "runsHiddenMode": "SHOW_ALL"}
+
+
+def save_study_view(client, experiment_id: str, study_id: str, title: str,
+                    compared: list[tuple[str | None, str]] = (), compare_to: str | None = None) -> None:
     """The experiment tag the study's links open: its compared runs (POINT_TAG), sorted by
     acc_mean (the UI then lists them flat, not nested under their parents), with
-    STUDY_COLUMNS. The UI ignores a saved view when the address has a search facet of its own,
-    so the filter lives in the view, not in the link."""
+    STUDY_COLUMNS and the study's charts first (``study_charts``). The UI ignores a saved view
+    when the address has a search facet of its own, so the filter lives in the view, not in
+    the link. ``compared``: each run's (run id, colour), the colour its method has in the
+    study's pictures (``study.method_colours``)."""
     state = {"searchFilter": f"tags.`{POINT_TAG}` = '{study_id}'", "orderByKey": f"metrics.`{KEY_METRICS[0]}`",
-             "orderByAsc": False, "selectedColumns": [f"metrics.`{n}`" for n in STUDY_COLUMNS]}
+             "orderByAsc": False, "selectedColumns": [f"metrics.`{n}`" for n in STUDY_COLUMNS],
+             **study_charts(compare_to, len(compared))}
     client.set_experiment_tag(experiment_id, f"{VIEW_PREFIX}{study_view_key(study_id)}", view_state(title, state))
+    for run_id, colour in compared:
+        if run_id:
+            client.set_tag(run_id, RUN_COLOR_TAG, colour)
 
 
 def runs_links(base: str, experiment_id: str, study_id: str | None = None) -> list[str]:

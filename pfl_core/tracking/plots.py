@@ -88,18 +88,34 @@ def accuracy_distribution_figure(groups: list[tuple[str, list[float], list[bool]
     return fig
 
 
-def mean_curves_figure(curves: list[tuple[str, list[float], list[float], list[float]]], metric: str, title: str):
+# A study's methods, in its planned order: matplotlib's qualitative tab10, then tab20's lighter
+# shades, so up to 20 methods never share a colour. The MLflow study view colours each run the
+# same way (``study.method_colours``).
+METHOD_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                  "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
+                  "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
+
+
+def method_colour(index: int) -> str:
+    """The colour of a study's ``index``-th method (0-based), as ``#rrggbb``."""
+    return METHOD_COLOURS[index % len(METHOD_COLOURS)]
+
+
+def mean_curves_figure(curves: list[tuple[str, list[float], list[float], list[float]]], metric: str, title: str,
+                       colours: list[str] | None = None):
     """One line per method: ``metric``'s mean over seeds by round, with its 95% interval as a
     band (none where a method ran one seed: nan half-widths).
 
-    ``curves``: ``(label, rounds, means, ci95 half-widths)`` per method, in the legend's order."""
+    ``curves``: ``(label, rounds, means, ci95 half-widths)`` per method, in the legend's order;
+    ``colours``: each one's (default: ``method_colour`` in that order)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, rounds, means, half in curves:
+    colours = colours or [method_colour(i) for i in range(len(curves))]
+    for (label, rounds, means, half), colour in zip(curves, colours):
         x, mean, half = np.asarray(rounds, float), np.asarray(means, float), np.asarray(half, float)
-        (line,) = ax.plot(x, mean, marker="o", markersize=3, label=label)
+        ax.plot(x, mean, marker="o", markersize=3, label=label, color=colour)
         if np.isfinite(half).any():
-            ax.fill_between(x, mean - half, mean + half, color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.fill_between(x, mean - half, mean + half, color=colour, alpha=0.2, linewidth=0)
     ax.set_xlabel("round")
     ax.xaxis.set_major_locator(pyplot().MaxNLocator(integer=True))
     ax.set_ylabel(f"{metric} (mean over seeds, 95% interval)")

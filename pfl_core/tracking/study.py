@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pfl_core._version import TUNING_PACKAGES, version_tags
+from pfl_core.tracking.plots import method_colour
 from pfl_core.tracking.tracker import (
     _STUDY,
     GIT_TAGS,
@@ -24,6 +25,8 @@ from pfl_core.tracking.tracker import (
     make_tracker,
     run_status,
 )
+
+RESUME_TAG = "pfl.study.resume"  # on each run of a study of several: the command that completes the study
 
 
 @dataclass
@@ -39,6 +42,12 @@ class Study:
     parent: Any = None  # the study's parent run's tracker, once begun
     pending: tuple | None = None  # begin_study's arguments until the first run starts
     tuned: bool = False  # a [tune] study: its runs also record optuna's version
+    resume: str = ""  # a study of several runs: the `pfl-run SPEC --resume ...` that completes it
+    methods: list[str] = field(default_factory=list)  # its runs' names as planned: each one's colour
+    # its compared runs' (run id, colour) and the run they are compared to: the MLflow study
+    # view colours its runs and names its reference with them (links.save_study_view)
+    compared: list[tuple[str | None, str]] = field(default_factory=list)
+    compare_to: str = ""
 
     def begin(self) -> None:
         """Start the parent run begin_study asked for (when the first run starts, so a failure
@@ -85,11 +94,23 @@ class Study:
             out.update(version_tags(TUNING_PACKAGES))
         if self.note:
             out[NOTE_TAG] = self.note
+        if self.resume:  # so `pfl-run --resume RUN` can say how to complete the rest of its study
+            out[RESUME_TAG] = self.resume
         return out
 
     def run_name(self, base: str) -> str:
         """The study parent's name: unique per invocation, readable in the runs table."""
         return f"{base} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))} ({self.id[:6]})"
+
+
+def method_colours(names: list[str]) -> list[str]:
+    """Each named method's colour in the study's pictures and its MLflow view: its place among
+    the current study's planned methods (``Study.methods``), so a method has one colour in every
+    picture and a method left out of the comparison takes no other's; else its place in
+    ``names``."""
+    study = current_study()
+    order = study.methods if study is not None and set(names) <= set(study.methods) else list(names)
+    return [method_colour(order.index(name)) for name in names]
 
 
 def studied(run_spec_file):

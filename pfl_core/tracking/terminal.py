@@ -8,6 +8,7 @@ import sys
 
 from pfl_core.tracking import journal
 from pfl_core.tracking.links import runs_links, save_study_view
+from pfl_core.tracking.tracker import current_study
 
 
 class Progress:
@@ -126,7 +127,9 @@ def experiment_location(spec, study_id: str | None = None) -> str | None:
     if study_id:
         try:
             with journal.short_http():
-                save_study_view(mlflow.MlflowClient(), id, study_id, f"pfl study {study_id}")
+                study = current_study()
+                compared = (study.compared, study.compare_to) if study is not None and study.id == study_id else ()
+                save_study_view(mlflow.MlflowClient(), id, study_id, f"pfl study {study_id}", *compared)
         except Exception:  # the runs are logged; without the view the links open the experiment's runs
             study_id = None
     if uri.startswith(("http://", "https://")):

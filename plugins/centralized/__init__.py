@@ -38,10 +38,16 @@ class Centralized(FedAvg):
     def server_aggregate(self, ctx, uploads, weights):
         model = load_state(ctx.models.working(ctx.models.arch_of(0)), ctx.server["global"])
         training = ctx.spec.training
+
+        def pooled_step() -> bool:  # counts each step for budget.private_steps; the server has no batch limit
+            ctx.record_pooled_work(steps=1)
+            return True
+
         run_epochs(model, make_optimizer(model.parameters(), training),
                    ctx.server["pooled_x"], ctx.server["pooled_y"],
                    epochs=training.local_epochs, batch_size=training.batch_size,
                    loss_fn=cross_entropy, generator=ctx.generator("train"), shuffle=training.shuffle,
-                   drop_last=training.drop_last, counter=lambda n: ctx.record_pooled_work(1))
+                   drop_last=training.drop_last, counter=lambda n: ctx.record_pooled_work(epochs=1),
+                   take_batch=pooled_step)
         ctx.server["global"] = clone_state(model)
         return True
