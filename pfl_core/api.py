@@ -83,6 +83,7 @@ from pfl_core.spec import (
     one_of,
 )
 from pfl_core.tracking import plots
+from pfl_core.tracking.terminal import warning_line
 
 __all__ = [
     # the plugin system
@@ -99,8 +100,8 @@ __all__ = [
     "split_at", "weighted_average",
     # seeds
     "derive_seed", "numpy_rng", "torch_generator",
-    # figures
-    "plots",
+    # figures and warnings
+    "plots", "warning_line",
     # data set, partitioner and model plugins
     "DatasetPlugin", "ModelPlugin", "PartitionerPlugin", "RawDataset",
     # running a spec in a plugin's tests

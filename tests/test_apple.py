@@ -14,7 +14,7 @@ from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.runtime.evaluation import evaluated_models
-from pfl_core.runtime.training import batch_starts
+from pfl_core.runtime.training import batch_order, batch_starts
 from pfl_plugins.apple import (
     APPLEParams,
     Mixture,
@@ -133,6 +133,60 @@ def test_a_round_recomputed_and_the_evaluated_model_is_the_p_weighted_sum():
         for n in names:
             expected = sum(float(ctx.store[i]["p"][j]) * cores[j][n] for j in range(4))
             assert torch.allclose(model[n], expected, atol=1e-6)
+
+
+def recomputed_round(ctx, i, cores, p_start, coefficient, p_lr):
+    """Client i's round of Eq. 5-7 written out: SGD on its own core model (training.lr) and on p
+    (p_lr), the other clients' ``cores`` fixed, the loss cross-entropy + coefficient ||p - p_0||^2.
+    Returns (own core model, p). ``ctx.round`` must be the round (the client's batch order)."""
+    names = [n for n, _ in ctx.models.build("mlp").named_parameters()]
+    model = ctx.models.build("mlp")
+    core = {n: cores[i][n].clone().requires_grad_(True) for n in names}
+    p = p_start.clone().requires_grad_(True)
+    sizes = [ctx.data.clients[j].num_train for j in range(4)]
+    p0 = torch.tensor([n / sum(sizes) for n in sizes])
+    data, training = ctx.data.clients[i], ctx.spec.training
+    order = batch_order(data.num_train, ctx.client(i).generator("train"), training.shuffle)
+    for start in batch_starts(data.num_train, training.batch_size, training.drop_last):
+        idx = order[start:start + training.batch_size]
+        theta = {n: sum(p[j] * (core[n] if j == i else cores[j][n]) for j in range(4)) for n in names}
+        loss = F.cross_entropy(torch.func.functional_call(model, theta, (data.train_x[idx],)), data.train_y[idx])
+        loss = loss + coefficient * (p - p0).pow(2).sum()
+        grads = torch.autograd.grad(loss, [*core.values(), p])
+        with torch.no_grad():
+            for c, g in zip(core.values(), grads):
+                c -= training.lr * g
+            p -= p_lr * grads[-1]
+    return {n: c.detach() for n, c in core.items()}, p.detach()
+
+
+def test_the_regulariser_is_on_in_round_1_only_at_10_rounds_and_l_0_1():
+    # the spec's setting (specs/personalized_aggregation.toml): int(10 x 0.1) = 1 round of lambda(r) > 0,
+    # lambda(r = 0) = 1 in round 1 and 0 from round 2; a scheduler off by one round in either direction
+    # gives round 1 no regulariser (lambda(1) = 0) or round 2 a full one (lambda(0) = 1)
+    mu, p_lr = 20.0, 0.01
+    engine, ctx = prepared(**{**BASE, "experiment.rounds": 10, "algorithm.params.L": 0.1, "algorithm.params.mu": mu,
+                              "algorithm.params.p_lr": p_lr})
+    names = [n for n, _ in ctx.models.build("mlp").named_parameters()]
+    init = ctx.models.initial_state("mlp")
+    sizes = [ctx.data.clients[j].num_train for j in range(4)]
+    p0 = torch.tensor([n / sum(sizes) for n in sizes])
+    engine.run_round(ctx, 1)
+    for i in range(4):
+        core, p = recomputed_round(ctx, i, [init] * 4, p0, mu, p_lr)
+        assert torch.allclose(ctx.store[i]["p"], p, atol=1e-5), i
+        assert all(torch.allclose(ctx.store[i]["core"][n], core[n], atol=1e-5) for n in names), i
+        _, p_off = recomputed_round(ctx, i, [init] * 4, p0, 0.0, p_lr)
+        assert (p - p_off).abs().max() > 1e-3, i  # the regulariser mattered in round 1
+    cores = [{n: v.clone() for n, v in ctx.store[j]["core"].items()} for j in range(4)]
+    starts = [ctx.store[i]["p"].clone() for i in range(4)]
+    engine.run_round(ctx, 2)
+    for i in range(4):
+        core, p = recomputed_round(ctx, i, cores, starts[i], 0.0, p_lr)
+        assert torch.allclose(ctx.store[i]["p"], p, atol=1e-5), i
+        assert all(torch.allclose(ctx.store[i]["core"][n], core[n], atol=1e-5) for n in names), i
+        _, p_on = recomputed_round(ctx, i, cores, starts[i], mu, p_lr)
+        assert (p - p_on).abs().max() > 1e-3, i  # and would have in round 2
 
 
 def test_a_client_that_never_trained_is_evaluated_with_the_initial_model():

@@ -210,6 +210,40 @@ def test_the_server_is_fedavgs_and_the_bytes_are_fedavgs():
         assert torch.allclose(value.double(), mean, atol=1e-6)
 
 
+BATCH_NORM = {**BASE, "model.params.norm": "batch"}  # fc1 -> bn1 -> fc2: bn1 is a lower layer at p = 1
+BN_BUFFERS = ["bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"]
+
+
+def test_the_split_leaves_every_buffer_out():
+    _, ctx = prepared(**BATCH_NORM)
+    lower, higher = ala_split(ctx.models.build("mlp"), 1)
+    assert lower == LOWER + ["bn1.weight", "bn1.bias"] and higher == HIGHER
+
+
+def test_the_lower_layers_batchnorm_statistics_stay_the_clients_own(monkeypatch):
+    # the authors' ALA.py copies and mixes parameters() only: running statistics are never the global model's
+    engine, ctx = prepared(**BATCH_NORM)
+    engine.run_round(ctx, 1)
+    local = {i: {k: v.clone() for k, v in ctx.store[i]["weights"].items()} for i in range(4)}
+    glob = {k: v.clone() for k, v in ctx.server["global"].items()}
+    params = LOWER + ["bn1.weight", "bn1.bias"] + HIGHER
+    with recorded_training(monkeypatch) as calls:
+        engine.run_round(ctx, 2)
+    trained = [c for c in calls if c["trainable"] >= set(params)]  # the local training, after on_receive
+    assert [c["client"] for c in trained] == [0, 1, 2, 3]
+    for call in trained:
+        i = call["client"]
+        for key in BN_BUFFERS:
+            assert torch.equal(call["before"][key], local[i][key]), (i, key)
+        for key in LOWER + ["bn1.weight", "bn1.bias"]:
+            assert torch.equal(call["before"][key], glob[key]), (i, key)  # the lower layers' parameters: global
+        assert far_apart(local[i], glob, BN_BUFFERS[:2])  # the averaged statistics differ from the client's
+    for i in range(4):  # and the evaluated model (Eq. 4 on the current global model) keeps them too
+        model = evaluated_models(ctx, ctx.client(i))[""].state_dict()
+        for key in BN_BUFFERS:
+            assert torch.equal(model[key], ctx.store[i]["weights"][key]), (i, key)
+
+
 def test_w_learning_descends_the_local_loss():
     engine, ctx = prepared(**BASE, **{"algorithm.params.threshold": 1e-12, "algorithm.params.max_start_epochs": 30,
                                       "algorithm.params.s": 100})

@@ -21,7 +21,7 @@ from harness import (
 from tiny import tiny_raw
 
 from pfl_core.runtime.evaluation import evaluated_models
-from pfl_plugins.fedamp import FedAMP, FedAMPParams, attention_weights, cloud_model
+from pfl_plugins.fedamp import FedAMP, FedAMPParams, attention_weights, cloud_model, with_defaults
 
 BASE = {"algorithm.name": "fedamp", "model.params.hidden": [8], "experiment.rounds": 2}
 
@@ -153,6 +153,47 @@ def test_a_full_run_with_a_coldstart_client():
     result = Engine(resolve(tiny_raw(**BASE, **{"experiment.coldstart_clients": 1,
                                                 "algorithm.params.attention": "distance"})), progress=False).run()
     assert 0.0 <= result.final["coldstart_acc_mean"] <= 1.0
+
+
+# -- the distance variant's weights stay on the simplex ---------------------------------------------
+
+
+def test_the_variants_defaults_by_hand():
+    assert with_defaults(FedAMPParams(), 20) == FedAMPParams(alpha_k=1.0, lam=1.0)  # cosine: PFLlib's
+    distance = with_defaults(FedAMPParams(attention="distance", sigma=2.0), 4)
+    assert (distance.alpha_k, distance.lam) == (0.5, 0.5)  # sigma / N, and lambda / alpha_k = 1
+    assert with_defaults(FedAMPParams(attention="distance", alpha_k=0.3), 4).lam == 0.3
+    assert with_defaults(FedAMPParams(attention="distance", lam=2.0), 4) == FedAMPParams(
+        attention="distance", alpha_k=0.25, lam=2.0)
+    # the closest models (distance 0, A' = 1 / sigma) of the 3 others: xi_ij = (sigma / 4) / sigma = 1/4, xi_ii = 1/4
+    same = {j: {"w": torch.tensor([1.0, 2.0])} for j in range(4)}
+    xi = attention_weights(0, same, same[0], ["w"], distance)
+    assert xi == {0: pytest.approx(0.25), 1: pytest.approx(0.25), 2: pytest.approx(0.25), 3: pytest.approx(0.25)}
+    old = attention_weights(0, same, same[0], ["w"], FedAMPParams(attention="distance", alpha_k=1.0, sigma=1.0))
+    assert old[0] == pytest.approx(-2.0)  # PFLlib's alpha_k = sigma = 1: 1 - 3
+
+
+def distance_run(capsys, **params):
+    from pfl_core.engine import Engine, resolve
+
+    raw = tiny_raw(**{**BASE, "experiment.rounds": 3, "algorithm.params.attention": "distance", "training.lr": 0.01,
+                      **{f"algorithm.params.{k}": v for k, v in params.items()}})
+    engine = Engine(resolve(raw), progress=False)
+    engine.run()
+    own = [row["value"] for row in engine.ctx.client_series if row["name"] == "fedamp_self_weight"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pfl: warning: fedamp")]
+    return own, warnings
+
+
+def test_weights_off_the_simplex_are_warned_once_and_the_defaults_keep_them_on_it(capsys):
+    own, warnings = distance_run(capsys, alpha_k=1.0, sigma=1.0, lam=1.0)  # PFLlib's values, the old defaults
+    assert min(own) < 0
+    assert len(warnings) == 1  # rounds 2 and 3 both leave the simplex: said once
+    assert warnings[0].startswith("pfl: warning: fedamp: in round 2 the cloud model's own weight xi_ii (Eq. 5) is "
+                                  "negative for 4 client(s)")
+    assert "algorithm.params.alpha_k <= sigma / (N - 1) = 0.333" in warnings[0]
+    own, warnings = distance_run(capsys)  # alpha_k = sigma / N
+    assert min(own) >= 0.25 and warnings == []
 
 
 # -- bad input --------------------------------------------------------------------------------------

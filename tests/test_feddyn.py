@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import assert_close, assert_same, dry_run_error, far_apart, linear, mean_of, prepared
+from harness import assert_close, assert_same, dry_run_error, far_apart, linear, mean_of, prepared, shrink
 from test_scaffold import params_of, sgd_reference, tensors
 from tiny import tiny_raw
 
@@ -233,4 +233,54 @@ def test_feddyn_needs_one_architecture():
 
 
 def test_defaults():
-    assert FedDynParams().alpha == 0.01
+    assert FedDynParams().alpha == 0.01 and FedDynParams().weighting == "uniform"
+
+
+# -- the model average: Algorithm 1's 1/|P_t| or the clients' sample shares --------------------
+
+TWO_CLIENTS = {**LINEAR, "data.params.num_devices": 2, "partition.num_clients": 2}
+UNIFORM, SAMPLES = {0: 0.5, 1: 0.5}, {0: 0.25, 1: 0.75}  # train splits of 20 and 60 samples
+
+
+@pytest.mark.parametrize("weighting, weights, other", [("uniform", UNIFORM, SAMPLES), ("samples", SAMPLES, UNIFORM)])
+def test_the_model_average_is_algorithm_1s_uniform_one_or_by_samples(weighting, weights, other):
+    alpha = 0.5
+    engine, ctx = prepared(**TWO_CLIENTS, **{"algorithm.params.weighting": weighting, "algorithm.params.alpha": alpha})
+    shrink(ctx, {0: 20, 1: 60})
+    assert ctx.hooks.client_weighting(ctx=ctx, participants=[0, 1]) == weights
+    theta0 = dict(ctx.server["global"])
+    engine.run_round(ctx, 1)
+
+    def quadratic(model):
+        return alpha / 2 * sum(((p - theta0[n]) ** 2).sum() for n, p in model.named_parameters())
+
+    thetas = [sgd_reference(ctx, i, theta0, extra_loss=quadratic)[0] for i in (0, 1)]
+    h1 = {n: -alpha / 2 * sum(t[n] - theta0[n] for t in thetas) for n in PARAMS}  # 1/m, m = 2, either way
+    assert_close(ctx.server["h"], h1, atol=1e-6)
+
+    def server(w):
+        mean = mean_of(((w[i], thetas[i]) for i in (0, 1)), keys=PARAMS)
+        return {n: mean[n] - h1[n] / alpha for n in PARAMS}
+
+    assert_close(params_of(ctx.server["global"]), server(weights), atol=1e-5)
+    assert far_apart(server(weights), server(other), list(PARAMS))
+
+
+@pytest.mark.parametrize("weighting, weight, bias", [("uniform", [2.0, 5.0], [-2.0]), ("samples", [1.5, 6.0], [-3.0])])
+def test_the_server_step_by_hand_for_two_clients_of_20_and_60_samples(weighting, weight, bias):
+    _, ctx = prepared(**TWO_CLIENTS, **{"algorithm.params.weighting": weighting, "algorithm.params.alpha": 0.5})
+    shrink(ctx, {0: 20, 1: 60})
+    ctx.server["global"], ctx.server["h"] = state([1.0, 1.0], [0.0]), tensors([0.5, 0.0], [1.0])
+    weights = ctx.hooks.client_weighting(ctx=ctx, participants=[0, 1])
+    uploads = [(0, {"weights": state([3.0, 1.0], [2.0])}), (1, {"weights": state([1.0, 5.0], [-2.0])})]
+    ctx.hooks.server_aggregate(ctx=ctx, uploads=iter(uploads), weights=weights)
+    # drift (2, 0; 2) + (0, 4; -2) = (2, 4; 0); h = h - alpha/m drift, m = 2: (0, -1; 1); h / alpha = (0, -2; 2)
+    # uniform mean (2, 3; 0), samples (3 + 3, 1 + 15; 2 - 6) / 4 = (1.5, 4; -1); theta = mean - h / alpha
+    glob = ctx.server["global"]
+    assert glob["weight"][0].tolist() == pytest.approx(weight) and glob["bias"].tolist() == pytest.approx(bias)
+
+
+def test_a_bad_weighting_is_one_line_naming_the_key(tmp_path, capsys):
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**{"algorithm.name": "feddyn",
+                                                       "algorithm.params.weighting": "size"}))
+    assert line.startswith("pfl-run: error: algorithm.params.weighting: must be one of 'uniform', 'samples'")

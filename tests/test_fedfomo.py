@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from harness import assert_same, dry_run_error, model_bytes, prepared, recorded_training, refused_at_key
 from tiny import tiny_raw
 
-from pfl_core.engine import resolve
+from pfl_core import Plugin, hookimpl
+from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.runtime.evaluation import evaluated_models
 from pfl_plugins.fedfomo import choose_downloads, distance, fomo_update, fomo_weights, normalised
@@ -101,6 +102,40 @@ def test_a_clients_update_recomputed_from_its_validation_losses(monkeypatch):
                   if row["round"] == 2 and row["client"] == i and row["name"] == "fomo_positive"]
         assert logged == [sum(x > 0 for x in w)]
     assert moved  # some client found a helpful model: the update was exercised
+
+
+class WeightSpy(Plugin):
+    """Each participant's uploaded w_n, by round (a wrapper: after the algorithm)."""
+
+    name = "weight_spy"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    @hookimpl(wrapper=True)
+    def client_upload(self, ctx, client):
+        upload = yield
+        self.seen[(ctx.round, client.id)] = dict(upload["fomo"])
+        return upload
+
+
+def test_the_affinities_are_the_sum_of_every_rounds_weights_not_the_last():
+    # M = 3 of the 3 other clients: every client downloads every other model in rounds 2-4, so
+    # p_{i,n} = w_n(2) + w_n(3) + w_n(4); "sum" and "last" differ from round 3 on
+    resolved = resolve(tiny_raw(**{**BASE, "experiment.rounds": 4, "algorithm.params.M": 3, "partition.scheme": "iid"}))
+    spy = WeightSpy()
+    resolved.plugins.insert(0, spy)
+    engine = Engine(resolved, progress=False)
+    ctx = engine.ctx = engine.prepare()
+    ctx.hooks.setup(ctx=ctx)
+    for r in (1, 2, 3, 4):
+        engine.run_round(ctx, r)
+        for i in range(4):
+            expected = {n: sum(spy.seen[(t, i)][n] for t in range(2, r + 1)) for n in range(4) if n != i and r > 1}
+            assert ctx.server["P"].get(i, {}) == pytest.approx(expected, abs=1e-12), (r, i)
+            if r > 2:  # the sum is not the last round's weights
+                assert max(abs(ctx.server["P"][i][n] - spy.seen[(r, i)][n]) for n in expected) > 1e-3, (r, i)
 
 
 def test_the_client_is_charged_for_m_downloads():

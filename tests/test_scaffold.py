@@ -8,7 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close, assert_same, dry_run_error, far_apart, fresh_model, linear, mean_of, prepared
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    fresh_model,
+    linear,
+    mean_of,
+    prepared,
+    shrink,
+)
 from tiny import run_tiny, tiny_raw
 
 from pfl_core import Plugin, hookimpl
@@ -173,7 +183,7 @@ def params_of(state, names=("fc1.weight", "fc1.bias")):
 
 
 def test_round_one_is_fedavg_bit_for_bit():
-    _, scaffold_engine = run_tiny(**{**LINEAR, "experiment.rounds": 1})
+    _, scaffold_engine = run_tiny(**{**LINEAR, "experiment.rounds": 1, "algorithm.params.weighting": "samples"})
     _, fedavg_engine = run_tiny(**{**LINEAR, "experiment.rounds": 1, "algorithm.name": "fedavg"})
     assert_same(scaffold_engine.ctx.server["global"], fedavg_engine.ctx.server["global"])
 
@@ -353,5 +363,50 @@ def test_a_bad_parameter_is_one_line_naming_the_key(tmp_path, capsys):
 
 
 def test_defaults():
-    assert ScaffoldParams().server_lr == 1.0
-    assert resolve(tiny_raw(**{"algorithm.name": "scaffold"})).as_dict["algorithm"]["params"] == {"server_lr": 1.0}
+    assert ScaffoldParams().server_lr == 1.0 and ScaffoldParams().weighting == "uniform"
+    assert resolve(tiny_raw(**{"algorithm.name": "scaffold"})).as_dict["algorithm"]["params"] == {
+        "server_lr": 1.0, "weighting": "uniform"}
+
+
+# -- the model average: Algorithm 1's 1/|S| or the clients' sample shares ----------------------
+
+TWO_CLIENTS = {**LINEAR, "data.params.num_devices": 2, "partition.num_clients": 2}
+UNIFORM, SAMPLES = {0: 0.5, 1: 0.5}, {0: 0.25, 1: 0.75}  # train splits of 20 and 60 samples
+
+
+@pytest.mark.parametrize("weighting, weights, other", [("uniform", UNIFORM, SAMPLES), ("samples", SAMPLES, UNIFORM)])
+def test_the_model_average_is_algorithm_1s_uniform_one_or_by_samples(weighting, weights, other):
+    engine, ctx = prepared(**TWO_CLIENTS, **{"algorithm.params.weighting": weighting,
+                                             "algorithm.params.server_lr": 1.0})
+    shrink(ctx, {0: 20, 1: 60})
+    assert ctx.hooks.client_weighting(ctx=ctx, participants=[0, 1]) == weights
+    x0 = dict(ctx.server["global"])
+    engine.run_round(ctx, 1)  # c = c_i = 0: each y_i is plain SGD; x1 = sum_i w_i y_i (eta_g = 1)
+    ys = [sgd_reference(ctx, i, x0)[0] for i in (0, 1)]
+    expected = mean_of((weights[i], ys[i]) for i in (0, 1))
+    assert_close(ctx.server["global"], expected, atol=1e-6)
+    keys = ["fc1.weight", "fc1.bias"]
+    assert far_apart(expected, mean_of((other[i], ys[i]) for i in (0, 1)), keys)
+    c_is = [{n: (x0[n] - ys[i][n]) / (sgd_reference(ctx, i, x0)[1] * ctx.spec.training.lr) for n in keys}
+            for i in (0, 1)]
+    assert_close(ctx.server["c"], mean_of((0.5, c) for c in c_is), atol=1e-5)  # c: 1/N whatever the weighting
+
+
+@pytest.mark.parametrize("weighting, weight, bias", [("uniform", [2.0, 1.0], [0.0]), ("samples", [2.5, 0.5], [-0.5])])
+def test_the_server_step_by_hand_for_two_clients_of_20_and_60_samples(weighting, weight, bias):
+    _, ctx = prepared(**TWO_CLIENTS, **{"algorithm.params.weighting": weighting})
+    shrink(ctx, {0: 20, 1: 60})
+    ctx.server["global"] = {**tensors([0.0, 0.0], [0.0]), "running": torch.tensor([0.0]), "count": torch.tensor(0)}
+    ctx.server["c"] = tensors([0.0, 0.0], [0.0])
+    weights = ctx.hooks.client_weighting(ctx=ctx, participants=[0, 1])
+    uploads = [(0, upload([1.0, 2.0], [1.0], [0.0, 0.0], [0.0])), (1, upload([3.0, 0.0], [-1.0], [0.0, 0.0], [0.0]))]
+    ctx.hooks.server_aggregate(ctx=ctx, uploads=iter(uploads), weights=weights)
+    # uniform: (y_0 + y_1) / 2 = (2, 1; 0); samples: (y_0 + 3 y_1) / 4 = (2.5, 0.5; -0.5)
+    glob = ctx.server["global"]
+    assert glob["weight"][0].tolist() == pytest.approx(weight) and glob["bias"].tolist() == pytest.approx(bias)
+
+
+def test_a_bad_weighting_is_one_line_naming_the_key(tmp_path, capsys):
+    line = dry_run_error(tmp_path, capsys, tiny_raw(**{"algorithm.name": "scaffold",
+                                                       "algorithm.params.weighting": "size"}))
+    assert line.startswith("pfl-run: error: algorithm.params.weighting: must be one of 'uniform', 'samples'")

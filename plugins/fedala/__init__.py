@@ -7,7 +7,8 @@ Aggregation, ALA). With Theta^{t-1} the global model received in round t and The
 client's local model from its previous round:
 
     Eq. 4   Theta-hat_i^t = Theta_i^{t-1} + (Theta^{t-1} - Theta_i^{t-1}) (.) [1^{|Theta| - p}; W_i^p]
-            (the lower layers take the global model; only the p higher layers mix, element-wise)
+            (the lower layers' parameters take the global model; only the p higher layers mix,
+            element-wise; every buffer stays the local model's, see below)
     Eq. 5   W_i^p <- W_i^p - eta grad_{W_i^p} L(Theta-hat_i^t, D_i^{s,t}; Theta^{t-1})
             = W - eta grad_{Theta-hat} L (.) (Theta^{t-1} - Theta_i^{t-1}), each step followed by
             the paper's weight clipping of every element to [0, 1]; one step per mini-batch of
@@ -53,10 +54,12 @@ module as PFLlib's; read, not copied):
   unshuffled, keeping the last partial batch: ``drop_last=False`` in their current ``ALA.py``,
   the first release dropped it). The loss L is the client's objective (the cross-entropy plus
   any add-on's term) on Theta-hat.
-- W_i^p covers the parameters of the p higher layers; their buffers (BatchNorm statistics) stay
-  the local model's and the lower layers' buffers are the global model's. Only W is trained by
-  Eq. 5 (plain SGD at ``eta``, no momentum, as the authors'); the model's batch statistics are
-  not changed by it.
+- W_i^p covers the parameters of the p higher layers. Buffers (BatchNorm statistics), of the
+  lower and of the higher layers alike, stay the local model's, as in the authors' ``ALA.py``,
+  which copies and mixes ``parameters()`` only, so a client's running statistics are its own
+  (FedAvg's server still averages them, and a client with no local model yet starts from the
+  global model's). Only W is trained by Eq. 5 (plain SGD at ``eta``, no momentum, as the
+  authors'); the model's batch statistics are not changed by it.
 - Budget (``local_work``): training.local_epochs + s/100 private epochs per round (one pass of
   W-learning over s% of the data); a client's start phase costs more, its first round less; the
   measured ``budget.private_epochs`` counts what ran. W-learning steps are training steps: they
@@ -116,19 +119,20 @@ class FedALAParams:
 
 
 def ala_split(model: nn.Module, p: int) -> tuple[list[str], list[str]]:
-    """(lower keys, higher parameter keys): every state-dict key of the layers below the p
-    higher layers, and the *parameters* of the p higher layers (their W of Eq. 4)."""
+    """(lower parameter keys, higher parameter keys): the *parameters* of the layers below the p
+    higher layers (Eq. 4's 1s: the global model's) and those of the p higher layers (their W).
+    Buffers are in neither: they stay the local model's (the authors' ``parameters()``)."""
     layers = layer_keys(model)
     parameters = {name for name, _ in model.named_parameters()}
     cut = max(len(layers) - p, 0)
-    lower = [key for layer in layers[:cut] for key in layer]
+    lower = [key for layer in layers[:cut] for key in layer if key in parameters]
     higher = [key for layer in layers[cut:] for key in layer if key in parameters]
     return lower, higher
 
 
 def local_aggregation(local: dict, global_: dict, weights: dict, lower) -> dict:
     """Eq. 4: Theta-hat = local + (global - local) (.) W on the keys of ``weights``, the global
-    model on the ``lower`` keys, the local model elsewhere (the higher layers' buffers)."""
+    model on the ``lower`` keys, the local model elsewhere (every buffer)."""
     out = dict(local)
     for key in lower:
         out[key] = global_[key]
@@ -165,7 +169,7 @@ class Aggregated(nn.Module):
         self._model = [model]  # not a submodule: W is this module's only parameter
         self.local = {k: local[k].detach() for k in self.names}
         self.delta = {k: (global_[k] - local[k]).detach() for k in self.names}
-        # the rest of Eq. 4 (lower layers: global; higher layers' buffers: local); the forward pass
+        # the rest of Eq. 4 (lower layers' parameters: global; buffers: local); the forward pass
         # overrides the mixed entries. Copies: BatchNorm statistics updated while W learns are dropped
         self.fixed = {k: v.detach().clone() for k, v in local_aggregation(local, global_, {}, lower).items()}
 
@@ -191,9 +195,10 @@ def converged(losses: list[float], threshold: float, num_pre_loss: int) -> bool:
 class FedALA(FedAvg):
     """FedALA (Zhang et al. 2023): FedAvg whose clients start each round from an element-wise,
     learned aggregation of their local model and the global model on the p higher layers (the
-    lower layers take the global model); W learned until converged the first time, one epoch a
-    round afterwards. Each client is scored with that aggregation. FedAvg's bytes. Budget:
-    ``training.local_epochs + s/100`` (plus the start phase)."""
+    lower layers' parameters take the global model, every buffer stays local); W learned until
+    converged the first time, one epoch a round afterwards. Each client is scored with that
+    aggregation. FedAvg's bytes. Budget: ``training.local_epochs + s/100`` (plus the start
+    phase)."""
 
     name = "fedala"
     Params = FedALAParams

@@ -36,11 +36,24 @@ Defaults and decisions:
   ||w_i - w_j||^2 is so large that exp(-x / sigma) vanishes and Eq. 5 leaves every u_i = w_i);
   ``"distance"`` is Eq. 5 as written. Similarities and distances are over the model's
   parameters (buffers excluded), in float64.
-- ``alpha_k = 1.0``, ``lam = 1.0`` (the client's proximal weight lambda / alpha_k = 1), ``sigma
-  = 1.0``: PFLlib's defaults (``alphaK``, ``lamda``, ``sigma``). alpha_k is constant over the
-  rounds, as in PFLlib (the paper allows a schedule). ``xi = 0.1``: xi_{i,i} of the PFLlib
+- Cosine: ``alpha_k = 1.0``, ``lam = 1.0`` (the client's proximal weight lambda / alpha_k = 1),
+  ``sigma = 1.0``: PFLlib's defaults (``alphaK``, ``lamda``, ``sigma``). alpha_k is constant over
+  the rounds, as in PFLlib (the paper allows a schedule). ``xi = 0.1``: xi_{i,i} of the PFLlib
   HeurFedAMP example runs (``-xi 0.1``). With ``xi = 1`` every u_i = w_i and, with ``lam = 0``,
   FedAMP is Local bit for bit (tested).
+- Distance: PFLlib's alpha_k = sigma = 1 take the weights off the simplex. A'(x) =
+  exp(-x / sigma) / sigma is at most 1 / sigma, reached when two models are close, so
+  sum_{j != i} xi_{i,j} can reach alpha_k (N - 1) / sigma and xi_{i,i} 2 - N (-18 at 20
+  clients). In round 2 of ``specs/personalized_aggregation.toml`` with ``attention =
+  "distance"`` (every model one round from the same start) xi_{i,i} is negative for all 20
+  clients, down to -6.8: u_i extrapolates away from the other models. So the variant's
+  default ``alpha_k`` is sigma / N (N the training clients): then sum_{j != i} xi_{i,j} <=
+  (N - 1) / N and xi_{i,i} >= 1 / N whatever the distances (a newcomer's >= 0), and u_i is a
+  convex combination of the models. Its default ``lam`` is alpha_k, so the proximal weight
+  lambda / alpha_k stays 1, as with PFLlib's defaults (Eq. 6 couples the two: a smaller
+  alpha_k alone would pull every client N times harder towards u_i). A round in which some
+  participant's xi_{i,i} is negative (possible once alpha_k > sigma / (N - 1)) prints one
+  ``pfl: warning:`` line, once per run.
 - The client starts its local update from u_i^k (the proximal point's centre; the paper states
   only the argmin of Eq. 6). PFLlib starts from w_i^{k-1} and adds lambda / (2 alpha_k) ||w - u||
   (a norm, not its square, and of detached tensors, so it adds no gradient) to the loss; we use
@@ -53,7 +66,7 @@ Defaults and decisions:
   so every u_i of a round is built from the models of earlier rounds (the paper's W^{k-1}).
 - u_i mixes every floating-point state entry (BatchNorm statistics too) with the same xi_{i,j};
   integer entries (``num_batches_tracked``) are w_i's. In the distance variant xi_{i,i} can be
-  negative when alpha_k / sigma is large: Eq. 5 as written, not clipped.
+  negative when alpha_k / sigma is large: Eq. 5 as written, not clipped (but warned, above).
 - xi_{i,i} is logged per client as ``fedamp_self_weight``.
 - Bytes: u_i down, w_i up (one model each way).
 - Cold start: the newcomer receives u_n built as for a participant with w_n = the initial weights,
@@ -66,6 +79,8 @@ import math
 
 import torch
 from attrs import define, field
+
+from attrs import evolve
 
 from pfl_core.api import (
     Plugin,
@@ -81,6 +96,7 @@ from pfl_core.api import (
     per_run,
     proximal_term,
     require_single_architecture,
+    warning_line,
 )
 
 
@@ -89,17 +105,32 @@ class FedAMPParams:
     attention: str = field(default="cosine", validator=one_of("cosine", "distance"), metadata={
         "doc": 'xi_{i,j} from exp(sigma cos(w_i, w_j)) with xi_{i,i} = xi (HeurFedAMP, for deep networks); '
                '"distance": the weights of Eq. 5, alpha_k A\'(||w_i - w_j||^2) with A(x) = 1 - exp(-x / sigma)'})
-    alpha_k: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
+    alpha_k: float | None = field(default=None, validator=[finite, greater_than(0)], metadata={
         "doc": "alpha_k: the message-passing step size (Eq. 5) and the proximal weight's denominator lambda / "
-               "(2 alpha_k) (Eq. 6); constant over rounds. PFLlib's default"})
-    lam: float = field(default=1.0, validator=[finite, at_least(0)], metadata={
-        "doc": "lambda of Eq. 6's proximal term lambda / (2 alpha_k) ||w - u_i||^2; PFLlib's default"})
+               "(2 alpha_k) (Eq. 6); constant over rounds. Unset: 1.0 for cosine (PFLlib's); sigma / N for distance, "
+               "N the training clients, which keeps every xi_{i,i} >= 1/N (PFLlib's 1.0 lets it reach 2 - N)"})
+    lam: float | None = field(default=None, validator=[finite, at_least(0)], metadata={
+        "doc": "lambda of Eq. 6's proximal term lambda / (2 alpha_k) ||w - u_i||^2. Unset: 1.0 for cosine (PFLlib's); "
+               "alpha_k for distance, so lambda / alpha_k = 1 as with PFLlib's defaults"})
     sigma: float = field(default=1.0, validator=[finite, greater_than(0)], metadata={
         "doc": "sigma: the scale of exp(sigma cos) (cosine) or of A(x) = 1 - exp(-x / sigma) (distance); "
                "PFLlib's default"})
     xi: float = field(default=0.1, validator=[finite, between(0, 1)], metadata={
         "doc": "xi_{i,i}, the weight of the client's own model in u_i (cosine attention only); PFLlib's "
                "HeurFedAMP runs"})
+
+
+def with_defaults(params: FedAMPParams, num_clients: int) -> FedAMPParams:
+    """``params`` with an unset alpha_k and lam filled in: cosine 1.0 and 1.0 (PFLlib's);
+    distance alpha_k = sigma / N, the largest constant step that keeps every xi_{i,i} of Eq. 5
+    >= 1/N (A' <= 1 / sigma), and lam = alpha_k (the proximal weight lambda / alpha_k = 1)."""
+    alpha_k = params.alpha_k
+    if alpha_k is None:
+        alpha_k = 1.0 if params.attention == "cosine" else params.sigma / num_clients
+    lam = params.lam
+    if lam is None:
+        lam = 1.0 if params.attention == "cosine" else alpha_k
+    return evolve(params, alpha_k=alpha_k, lam=lam)
 
 
 # -- the paper's equations, as plain functions ---------------------------------------------------
@@ -112,7 +143,8 @@ def flat(state: dict, names) -> torch.Tensor:
 def attention_weights(i, models: dict, own: dict, names, params: FedAMPParams) -> dict:
     """Eq. 5's weights (or HeurFedAMP's rule): ``{j: xi_{i,j}}`` for client i, whose model is ``own``,
     over the other clients' ``models`` (``{j: state}``, i's own entry ignored), i included.
-    ``names``: the parameter keys the similarity or distance is computed over."""
+    ``names``: the parameter keys the similarity or distance is computed over; ``params`` with
+    alpha_k set (``with_defaults``)."""
     others = [j for j in sorted(models) if j != i]
     if not others:
         return {i: 1.0}
@@ -167,6 +199,12 @@ class FedAMP(Plugin):
     def setup(self, ctx):
         ctx.server["models"] = {}  # w_j: the last upload of every client that has uploaded
 
+    def settings(self, ctx) -> FedAMPParams:
+        """The parameters with the variant's defaults filled in (N: the training clients)."""
+        if self.params.alpha_k is not None and self.params.lam is not None:
+            return self.params  # nothing left to fill in
+        return per_run(ctx, self, "settings", lambda: with_defaults(self.params, len(ctx.training_clients)))
+
     def parameter_names(self, ctx, arch: str) -> list[str]:
         return per_run(ctx, self, f"names:{arch}", lambda: [n for n, _ in ctx.models.build(arch).named_parameters()])
 
@@ -174,7 +212,7 @@ class FedAMP(Plugin):
         """Eq. 5 for one client over the stored models (server side): (u_i, xi_{i,i})."""
         models, arch = ctx.server["models"], ctx.models.arch_of(client_id)
         own = models.get(client_id) or ctx.models.initial_state(arch)
-        xi = attention_weights(client_id, models, own, self.parameter_names(ctx, arch), self.params)
+        xi = attention_weights(client_id, models, own, self.parameter_names(ctx, arch), self.settings(ctx))
         return cloud_model(xi, models, own, client_id), xi[client_id]
 
     @hookimpl
@@ -183,6 +221,22 @@ class FedAMP(Plugin):
         ctx.server["u"] = {i: u for i, (u, _) in cloud.items()}  # this round's cloud models, until aggregation
         for i, (_, self_weight) in cloud.items():
             ctx.log_client(i, fedamp_self_weight=self_weight)
+        negative = [w for _, w in cloud.values() if w < 0]
+        if negative:
+            self.warn_outside_the_simplex(ctx, round, len(negative), min(negative))
+
+    def warn_outside_the_simplex(self, ctx, round, count: int, lowest: float) -> None:
+        """Once per run: a negative xi_{i,i} makes u_i extrapolate instead of averaging."""
+        warned = per_run(ctx, self, "simplex_warned", list)
+        if warned:
+            return
+        warned.append(round)
+        p, n = self.settings(ctx), len(ctx.training_clients)
+        warning_line(f"fedamp: in round {round} the cloud model's own weight xi_ii (Eq. 5) is negative for {count} "
+                     f"client(s), down to {lowest:.3g}: the weights leave the simplex and u_i extrapolates away from "
+                     f"the other clients' models (alpha_k = {p.alpha_k:g}, sigma = {p.sigma:g}, {n} clients); "
+                     f"algorithm.params.alpha_k <= sigma / (N - 1) = {p.sigma / max(n - 1, 1):.3g} keeps them inside "
+                     f"(unset, it is sigma / N)")
 
     @hookimpl
     def on_broadcast(self, ctx, client_id):
@@ -201,7 +255,8 @@ class FedAMP(Plugin):
         anchor = client.scratch.get("u")
         if anchor is None:
             return None
-        return proximal_term(model, anchor, self.params.lam / self.params.alpha_k)
+        settings = self.settings(ctx)
+        return proximal_term(model, anchor, settings.lam / settings.alpha_k)
 
     @hookimpl
     def local_train(self, ctx, client):
@@ -225,4 +280,4 @@ class FedAMP(Plugin):
         return {"": load_personal(ctx, client)}
 
 
-__all__ = ["FedAMP", "FedAMPParams", "attention_weights", "cloud_model"]
+__all__ = ["FedAMP", "FedAMPParams", "attention_weights", "cloud_model", "with_defaults"]

@@ -45,6 +45,11 @@ are ours. Where the paper leaves a detail to the code we follow PFLlib (``client
   over the batch's kernel matrices.
 - The initial W^hg and every client's initial W^hp are the seeded initial classifier (PFLlib
   copies the model's head); theta starts from its own seeded draw.
+- The CPN (theta) is trained by the same optimiser as the model (``training.*``: its learning
+  rate, momentum and weight decay); PFLlib trains the model and the CPN together with one plain
+  SGD of the learning rate (no momentum, no weight decay). So with ``training.momentum`` or
+  ``training.weight_decay`` set (or ``optimizer = "adam"``), theta carries them too; with the
+  defaults (``"sgd"``, both 0) every step is PFLlib's.
 - Bytes: down W^fe, theta, W^hg; up W^fe_i, theta_i and one head. Budget:
   ``training.local_epochs`` private epochs a round. The classifier must be an ``nn.Linear``; a
   model without a feature extractor (one layer) or another last layer is refused at the model's

@@ -11,7 +11,8 @@ Dynamic Regularization", ICLR 2021, Algorithm 1 (FedDyn).
                    first-order condition of the argmin; client.staged: kept if it arrives)
                  send theta_k^t
       server:    h^t = h^{t-1} - alpha/m * sum_{k in P_t} (theta_k^t - theta^{t-1})
-                 theta^t = sum_k w_k theta_k^t - h^t / alpha             (server_aggregate)
+                 theta^t = sum_k w_k theta_k^t - h^t / alpha             (server_aggregate;
+                   w_k = 1/|P_t|: Algorithm 1's (1/|P_t|) sum_{k in P_t} theta_k^t)
 
 m is the number of training clients. What is evaluated: every client on the server model
 theta^t, the model the server holds and sends next round (FedDyn is not a personalised
@@ -22,10 +23,12 @@ Deviations from the paper, and what the authors' code (github.com/alpemreacar/Fe
 - "argmin" is ``training.local_epochs`` epochs of the configured optimiser, as in the paper's
   experiments (SGD epochs); so g_k is the first-order condition's value, not the exact
   gradient at theta_k^t.
-- The model average: ``w_k`` are ``client_weighting``'s weights (each participant's share of
-  the participants' training samples, as FedAvg here), where Algorithm 1 writes 1/|P_t|; they
-  agree when the clients' train splits are equal. h stays the uniform 1/m sum of the paper,
-  so h = (1/m) sum_k g_k after every round. The authors' code averages uniformly.
+- The model average: ``weighting = "uniform"`` (the default) is Algorithm 1's server step,
+  theta^t = (1/|P_t|) sum_{k in P_t} theta_k^t - h^t / alpha, w_k = 1/|P_t| (the devices whose
+  upload arrived, with ``dropout``), as the authors' code, PFLlib's and FL-bench's FedDyn.
+  ``"samples"``: w_k = n_k / n over the participants (FedAvg's weights); the two agree when the
+  clients' train splits are equal. h stays the paper's 1/m sum whatever the weighting, so
+  h = (1/m) sum_k g_k after every round.
 - The authors' code scales alpha per device by the inverse of its relative data size
   (alpha_k = alpha / (n_k m / n)) for unbalanced data, clips gradient norms at 10, and reports
   the mean of the devices' latest models (all devices, and the active ones), not theta^t (the
@@ -54,6 +57,7 @@ from pfl_core.api import (
     finite,
     greater_than,
     hookimpl,
+    one_of,
     proximal_term,
     weighted_average,
 )
@@ -65,6 +69,9 @@ class FedDynParams:
         "doc": "alpha of the dynamic regulariser (Algorithm 1): weight of alpha/2 ||theta - theta^{t-1}||^2 and "
                "of the state updates; the server model is the mean minus h/alpha. Default: the value the authors' "
                "code uses for CIFAR-10 and for its synthetic data"})
+    weighting: str = field(default="uniform", validator=one_of("uniform", "samples"), metadata={
+        "doc": 'the model average\'s w_k: 1/|P_t| (Algorithm 1, the authors\' code) or "samples", n_k / n over the '
+               "participants (FedAvg's); h's average is 1/m either way"})
 
 
 class FedDyn(WeightAveraging):
@@ -79,6 +86,13 @@ class FedDyn(WeightAveraging):
         super().setup(ctx)  # theta^0: the seeded initial weights
         model = ctx.models.working(ctx.models.arch_of(0))
         ctx.server["h"] = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+
+    @hookimpl
+    def client_weighting(self, ctx, participants):
+        """Algorithm 1's 1/|P_t| (``weighting = "uniform"``), else the core's n_k / n."""
+        if self.params.weighting == "uniform":
+            return {i: 1.0 / len(participants) for i in participants}
+        return None
 
     @hookimpl
     def on_receive(self, ctx, client, message):

@@ -44,8 +44,13 @@ Where the paper leaves a detail to the code, or prints something else, we follow
   frozen at the received table.
 - Eq. (11) prints the regularisers as mu ||V||_2 + mu ||E||_2 (norms, not squared). PFLlib gives
   the CoV and the GCE their own SGD with ``weight_decay = mu``, whose gradient is that of
-  mu/2 ||.||^2; we add mu/2 ||.||^2, so with plain SGD the step is PFLlib's. Here one optimiser
-  (``training.*``) trains every part (Algorithm 1 lines 9-13 update all four together).
+  mu/2 ||.||^2; we add mu/2 ||.||^2, so with plain SGD the step is PFLlib's.
+- The CoV and the GCE are trained by the same optimiser as the model (``training.*``: its
+  learning rate, momentum and weight decay; Algorithm 1 lines 9-13 update all four together);
+  PFLlib gives each of them a plain SGD of the same learning rate with ``weight_decay = mu`` (no
+  momentum), and the model a plain SGD. So with ``training.momentum`` or
+  ``training.weight_decay`` set (or ``optimizer = "adam"``), the CoV and E carry them too, the
+  decay on top of mu/2 ||.||^2; with the defaults (``"sgd"``, both 0) every step is PFLlib's.
 - Eqs. (5)-(7) from the received E, as Algorithm 1 lines 7-8 (copy the received table, then
   compute g and p_i); PFLlib computes g and p_i from the client's local table before it is
   overwritten by the new global one (one round stale for a participant).

@@ -7,7 +7,8 @@ Averaging for Federated Learning", ICML 2020, Algorithm 1 with option II control
                  K steps: y_i <- y_i - eta_l (g_i(y_i) - c_i + c)    Eq. 3 (adjust_gradients)
                  c_i+ <- c_i - c + (x - y_i) / (K eta_l)             Eq. 4, option II (client_upload)
                  send (y_i, c_i+ - c_i); c_i <- c_i+                 (client.staged: kept if it arrives)
-      server:    x <- x + eta_g * sum_i w_i (y_i - x)                Eq. 5, x (server_aggregate)
+      server:    x <- x + eta_g * sum_i w_i (y_i - x)                Eq. 5, x (server_aggregate;
+                                                                     w_i = 1/|S|: Alg. 1's average)
                  c <- c + 1/N * sum_i (c_i+ - c_i)                   Eq. 5, c
 
 ``eta_l`` is ``training.lr``, ``eta_g`` is ``server_lr``, N the training clients, K the local
@@ -17,13 +18,16 @@ only steer training.
 
 Deviations from the paper, and what the reference implementations do:
 
-- The model average: ``w_i`` are ``client_weighting``'s weights (each participant's share of
-  the participants' training samples, as FedAvg here), where Eq. 5 writes 1/|S|; the two agree
-  when the clients' train splits are equal. So SCAFFOLD with c = c_i = 0 and ``server_lr = 1``
-  is exactly FedAvg (its first round is FedAvg's bit for bit), and a comparison with FedAvg
-  changes only the control variates. NIID-Bench's SCAFFOLD (Li et al., ICDE 2022), a widely
-  used benchmark implementation, weights the model the same way. ``c`` is averaged over all N clients as in
-  Eq. 5 (NIID-Bench too), which keeps c = (1/N) sum_i c_i.
+- The model average: ``weighting = "uniform"`` (the default) is Algorithm 1's server step,
+  (Delta y, Delta c) <- 1/|S| sum_{i in S} (Delta y_i, Delta c_i), x <- x + eta_g Delta y: every
+  participant's w_i = 1/|S| (the participants whose upload arrived, with ``dropout``), as
+  FL-bench's SCAFFOLD. ``"samples"``: w_i = n_i / n over the participants (FedAvg's weights),
+  as NIID-Bench's (Li et al., ICDE 2022) and PFLlib's SCAFFOLD (``serverscaffold.py`` weights
+  the Delta y_i by train samples); the two agree when the clients' train splits are equal. With
+  ``"samples"``, c = c_i = 0 and ``server_lr = 1`` SCAFFOLD is exactly FedAvg (its first round
+  is FedAvg's bit for bit), so a comparison with FedAvg changes only the control variates.
+  ``c`` is averaged over all N clients as in Eq. 5 (NIID-Bench and PFLlib too), whatever the
+  weighting, which keeps c = (1/N) sum_i c_i.
 - K is the number of steps the client really took this round (NIID-Bench counts them the same
   way), not a constant: a straggler (``stragglers`` add-on) or ``training.drop_last`` changes
   it, and (x - y_i) / (K eta_l) is the mean corrected gradient only over the steps taken. The
@@ -52,7 +56,15 @@ from __future__ import annotations
 import torch
 from attrs import define, field
 
-from pfl_core.api import SpecError, WeightAveraging, add_to_gradients, hookimpl, learning_rate, weighted_average
+from pfl_core.api import (
+    SpecError,
+    WeightAveraging,
+    add_to_gradients,
+    hookimpl,
+    learning_rate,
+    one_of,
+    weighted_average,
+)
 
 
 @define
@@ -60,6 +72,9 @@ class ScaffoldParams:
     server_lr: float = field(default=1.0, validator=learning_rate, metadata={
         "doc": "eta_g, the global step size of Eq. 5: x <- x + eta_g * (weighted mean of y_i - x); 1 "
                "takes the mean (FedAvg's server step), as NIID-Bench's SCAFFOLD always does"})
+    weighting: str = field(default="uniform", validator=one_of("uniform", "samples"), metadata={
+        "doc": 'the model average\'s w_i in Eq. 5: 1/|S| (Algorithm 1, FL-bench) or "samples", n_i / n over the '
+               "participants (FedAvg's, NIID-Bench's and PFLlib's); c's average is 1/N either way"})
 
 
 def check_plain_sgd(training, method: str) -> None:
@@ -90,6 +105,13 @@ class Scaffold(WeightAveraging):
         super().setup(ctx)  # x: the seeded initial weights
         model = ctx.models.working(ctx.models.arch_of(0))
         ctx.server["c"] = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+
+    @hookimpl
+    def client_weighting(self, ctx, participants):
+        """Algorithm 1's 1/|S| (``weighting = "uniform"``), else the core's n_i / n."""
+        if self.params.weighting == "uniform":
+            return {i: 1.0 / len(participants) for i in participants}
+        return None
 
     @hookimpl
     def on_broadcast(self, ctx, client_id):
