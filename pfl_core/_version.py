@@ -27,3 +27,15 @@ def installed_version(name: str) -> str | None:
 def version_tags(names=RESULT_PACKAGES) -> dict[str, str]:
     """``{"pfl.versions.torch": "2.14.1", ...}`` for each of ``names`` ("not installed" if absent)."""
     return {f"{VERSION_TAG_PREFIX}{name}": installed_version(name) or "not installed" for name in names}
+
+
+CPU_CAPABILITY_TAG = "pfl.machine.cpu_capability"
+
+
+def machine_tags() -> dict[str, str]:
+    """The instruction set torch's CPU kernels use (``AVX512``, ``AVX2``, ...): the same code,
+    seed and versions give other numbers under another one (float rounding differs, and grows
+    over rounds), so a run's numbers reproduce exactly only where this tag matches."""
+    import torch
+
+    return {CPU_CAPABILITY_TAG: torch.backends.cpu.get_cpu_capability()}

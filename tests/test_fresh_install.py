@@ -157,6 +157,9 @@ def test_an_untuned_run_records_the_versions_but_not_optunas(tmp_path, capsys):
     assert run.data.tags["pfl.versions.torch"] == _installed("torch")
     assert run.data.tags["pfl.versions.numpy"] == _installed("numpy")
     assert "pfl.versions.optuna" not in run.data.tags
+    import torch
+
+    assert run.data.tags["pfl.machine.cpu_capability"] == torch.backends.cpu.get_cpu_capability() != ""
 
 
 def test_declared_reads_the_extras():

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pfl_core._version import version_tags
+from pfl_core._version import machine_tags, version_tags
 from pfl_core.errors import PflError, Stopped, deferred_interrupts
 from pfl_core.state.locations import artifact_root_for, plain_uri
 from pfl_core.tracking import journal
@@ -171,7 +171,7 @@ class MlflowTracker(NullTracker):
         if self.study is not None and self.study.pending is not None:
             self.study.begin()  # the study's parent first: this run nests under it
         uri = mlflow.get_tracking_uri()
-        context = {TRACKING_URI_TAG: uri, **version_tags()}
+        context = {TRACKING_URI_TAG: uri, **version_tags(), **machine_tags()}
         if self.study is not None:
             context.update(self.study.tags())
             if self.point_group is not None:
