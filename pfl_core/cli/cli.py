@@ -39,7 +39,7 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (overrides tracking.uri)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow (tracking.enabled = false)")
     parser.add_argument("--out", metavar="DIR", default=None,
-                        help="also write the results into DIR (new): comparison.csv, differences.csv, per-client "
+                        help="also write the results into DIR (new): table.csv (the printed table), comparison.csv, differences.csv, per-client "
                              "CSVs and the spec as run; with or without tracking")
     parser.add_argument("--overwrite", action="store_true", help="let --out replace the results in an existing DIR")
     parser.add_argument("--clients", action="store_true", help="also print each run's per-client table")
