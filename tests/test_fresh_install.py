@@ -66,9 +66,11 @@ def test_an_extras_module_is_never_imported_at_a_modules_top_level(extra):
 
 
 # For each feature extra: the spec settings that need it. A new extra must add its line here,
-# so its missing-package error is tested.
+# so its missing-package error is tested. None: no spec setting needs it; its own tests check the
+# missing-package line (flower: the Flower app, tests/test_flower.py).
 NEEDS_EXTRA = {
     "ray": {"executor.name": "ray"},
+    "flower": None,
 }
 
 
@@ -76,7 +78,7 @@ def test_every_feature_extra_has_its_missing_package_case():
     assert set(NEEDS_EXTRA) == set(feature_extras())
 
 
-@pytest.mark.parametrize("extra", sorted(NEEDS_EXTRA))
+@pytest.mark.parametrize("extra", sorted(e for e, settings in NEEDS_EXTRA.items() if settings is not None))
 def test_a_missing_extra_is_one_line_naming_the_extra_to_install(extra, tmp_path, capsys, monkeypatch):
     for module in _extra_modules(extra):
         monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed

@@ -1,0 +1,6 @@
+"""Deployment: a spec run on real clients instead of the simulated ones.
+
+- :mod:`~pfl_core.deploy.flower`: a Flower app (a ServerApp running pfl's server side, a ClientApp
+  running its client side on the node's own data), for ``flwr run`` and Flower's deployment
+  runtime; needs the ``flower`` extra (``pip install -e '.[flower]'``), imported only when used.
+"""
