@@ -46,7 +46,8 @@ METHODS = {  # one method of each kind the issue names
                   "algorithm.params.supervisor_arch_params": {"mlp": {"hidden": [4]}}},
 }
 NEW_METHODS = ("scaffold", "feddyn", "fednova", "fedadam", "fedyogi", "moon", "fedrod", "fedala", "fedamp",
-               "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl")
+               "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl",
+               "pfedhn", "fedem", "cfl")  # issue 38
 METHODS.update({name: {"algorithm.name": name, **NEEDS.get(name, {})} for name in NEW_METHODS})
 
 
