@@ -107,7 +107,7 @@ def test_refuses_an_existing_folder_and_changes_nothing(package, tmp_path, capsy
 
 @pytest.mark.parametrize("argv, message", [
     (["new", "plugin", "My-Method"], ("NAME: 'My-Method' is not a plugin name: lower-case letters, digits and "
-                                      "underscores, starting with a letter (e.g. fedlc)")),
+                                      "underscores, starting with a letter (e.g. fedmine)")),
     (["new", "plugin", "fedavg"], "NAME: 'fedavg' is already a plugin (package pfl "),
     (["new", "plugin", "fine", "--dir", "missing"], "--dir: missing is not a folder"),
 ])

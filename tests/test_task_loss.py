@@ -171,7 +171,7 @@ def test_a_task_loss_plugin_trains_clients_one_after_another_under_batched():
     _, ctx = prepared_with(**{"algorithm.name": "fedavg"})
     assert why_not_batched(ctx, [0, 1]) is None
     _, ctx = prepared_with(fedlc(1.0), **{"algorithm.name": "fedavg"})
-    assert why_not_batched(ctx, [0, 1]) == "task_loss of fedlc#0 replaces the cross-entropy"
+    assert why_not_batched(ctx, [0, 1]) == "task_loss of fedlc_loss#0 replaces the cross-entropy"
 
 
 def test_a_run_with_the_guide_fedlc_trains_on_the_calibrated_loss():

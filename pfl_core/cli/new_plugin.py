@@ -193,7 +193,7 @@ def class_name(name: str) -> str:
 def check_name(name: str) -> None:
     if not NAME_PATTERN.fullmatch(name):
         raise PflError(f"NAME: {name!r} is not a plugin name: lower-case letters, digits and underscores, "
-                       f"starting with a letter (e.g. fedlc)")
+                       f"starting with a letter (e.g. fedmine)")
     from pfl_core import registry
 
     taken = registry.discovered().get(name)
@@ -238,7 +238,7 @@ def add_parser(sub) -> None:
     """``pfl new plugin NAME [--dir DIR]`` on the ``pfl`` command's subparsers."""
     new = sub.add_parser("new", help="start a plugin package from a template: pfl new plugin NAME")
     new.add_argument("what", choices=["plugin"], help="what to create (a plugin package)")
-    new.add_argument("name", metavar="NAME", help="the plugin's name, as a spec writes it (e.g. fedlc)")
+    new.add_argument("name", metavar="NAME", help="the plugin's name, as a spec writes it (e.g. fedmine)")
     new.add_argument("--dir", default=".", help="the folder to create pfl-NAME/ in (default: here)")
 
 
