@@ -87,6 +87,9 @@ def loopback(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value)
 
 
+HANG_GUARD_S = 1800  # how long a simulated round may wait for its replies before the test fails
+
+
 def grid_of(*partition_ids) -> LoopbackGrid:
     return LoopbackGrid({100 + i: ({"partition-id": p} if p is not None else {}) for i, p in enumerate(partition_ids)})
 
@@ -176,7 +179,8 @@ def test_flowers_simulation_runtime_gives_the_sequential_loops_metrics(algorithm
 
     @app.main()
     def main(grid, context):  # run_simulation takes no run config: the app's is set here
-        context.run_config.update({"spec": str(path), "reply-timeout": 300.0})
+        # a hang guard only: a busy machine made FedMosaic's nodes miss a 300 s wait once
+        context.run_config.update({"spec": str(path), "reply-timeout": float(HANG_GUARD_S)})
         flower.server_main(grid, context)
 
     run_simulation(app, apps.client_app, num_supernodes=3,
