@@ -26,6 +26,7 @@ from pfl_core.methods.codistill import (
     require_public,
 )
 from pfl_core.methods.embeddings import (
+    MutualPair,
     aggregate_prototypes,
     capture_embedding,
     classifier,
@@ -108,7 +109,7 @@ __all__ = [
     "Engine", "Resolved", "RunResult", "resolve",
     # shared method machinery
     "AnchoredAveraging", "CodistillParams", "DTYPES", "PartialModel", "PublicPredictionMethod", "SplitParams",
-    "WeightAveraging", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
+    "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
     "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",
     "probe_model", "probe_num_layers", "proximal_term", "quantise", "require_public", "rewrite_classifier_input", "require_single_architecture",

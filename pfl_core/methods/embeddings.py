@@ -102,3 +102,24 @@ def embeddings(model, x, batch_size: int = 1024) -> torch.Tensor:
             out.append(store["emb"].flatten(1))
     model.train(was)
     return torch.cat(out)
+
+
+class MutualPair(nn.Module):
+    """Two models side by side for ``client.train`` (mutual learning: FedKD's mentor and mentee,
+    FML's personal and meme models): ``forward`` returns the first one's logits and keeps the
+    second's logits and both classifier inputs in ``self.seen``."""
+
+    def __init__(self, mentor: nn.Module, mentee: nn.Module, projections: nn.ModuleDict | None = None):
+        super().__init__()
+        self.mentor, self.mentee = mentor, mentee
+        self.projections = projections if projections is not None else nn.ModuleDict()
+        self.seen: dict = {}
+
+    def forward(self, x):
+        mentor_out, mentee_out = {}, {}
+        with capture_embedding(self.mentor, mentor_out):
+            mentor_logits = self.mentor(x)
+        with capture_embedding(self.mentee, mentee_out):
+            self.seen = {"mentee_logits": self.mentee(x), "H_T": mentor_out["emb"].flatten(1),
+                         "H_S": mentee_out["emb"].flatten(1)}
+        return mentor_logits

@@ -90,10 +90,10 @@ from torch import nn
 from pfl_core.api import (
     FieldError,
     LocalWork,
+    MutualPair,
     SpecError,
     WeightAveraging,
     between,
-    capture_embedding,
     classifier,
     clone_state,
     described,
@@ -175,26 +175,6 @@ def apply_update(base: dict, update: dict) -> dict:
 
 
 # -- (L1)-(L4): adaptive mutual distillation -----------------------------------------------------
-
-
-class MutualPair(nn.Module):
-    """The mentor and the mentee side by side for ``client.train``: ``forward`` returns the mentor's
-    logits and keeps the mentee's logits and both classifier inputs in ``self.seen``."""
-
-    def __init__(self, mentor: nn.Module, mentee: nn.Module, projections: nn.ModuleDict | None = None):
-        super().__init__()
-        self.mentor, self.mentee = mentor, mentee
-        self.projections = projections if projections is not None else nn.ModuleDict()
-        self.seen: dict = {}
-
-    def forward(self, x):
-        mentor_out, mentee_out = {}, {}
-        with capture_embedding(self.mentor, mentor_out):
-            mentor_logits = self.mentor(x)
-        with capture_embedding(self.mentee, mentee_out):
-            self.seen = {"mentee_logits": self.mentee(x), "H_T": mentor_out["emb"].flatten(1),
-                         "H_S": mentee_out["emb"].flatten(1)}
-        return mentor_logits
 
 
 def distillation(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -371,5 +351,5 @@ class FedKD(WeightAveraging):
         return self.personalized_models(ctx, client, {})
 
 
-__all__ = ["FedKD", "FedKDParams", "MutualPair", "apply_update", "compress", "decompress", "distillation",
+__all__ = ["FedKD", "FedKDParams", "apply_update", "compress", "decompress", "distillation",
            "energy", "fedkd_losses", "identity_projection", "kept_rank"]

@@ -55,8 +55,17 @@ from __future__ import annotations
 import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core.api import LocalWork, WeightAveraging, between, clone_state, finite, hookimpl, load_state, one_of
-from pfl_plugins.fedkd import MutualPair
+from pfl_core.api import (
+    LocalWork,
+    MutualPair,
+    WeightAveraging,
+    between,
+    clone_state,
+    finite,
+    hookimpl,
+    load_state,
+    one_of,
+)
 
 
 @define
