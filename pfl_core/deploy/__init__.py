@@ -2,5 +2,8 @@
 
 - :mod:`~pfl_core.deploy.flower`: a Flower app (a ServerApp running pfl's server side, a ClientApp
   running its client side on the node's own data), for ``flwr run`` and Flower's deployment
-  runtime; needs the ``flower`` extra (``pip install -e '.[flower]'``), imported only when used.
+  runtime; needs the ``flower`` extra (``pip install -e '.[flower]'``), imported only when used;
+- :mod:`~pfl_core.deploy.node`: the ClientApp's side, with the node's own store (client states,
+  the run and its data on disk);
+- :mod:`~pfl_core.deploy.records`: pfl's messages as Flower records (tensors in an ``ArrayRecord``).
 """

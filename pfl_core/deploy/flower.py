@@ -4,19 +4,34 @@ The ServerApp runs pfl's engine as ``pfl-run`` does (selection, broadcast, aggre
 evaluation messages, MLflow tracking) with a :class:`FlowerExecutor`: the client side of a round
 (``run_client``) and of an evaluation (``evaluate_client``) travels as a Flower ``Message`` to
 the SuperNode that holds the client, and its result comes back as the reply. Client ``c`` is
-served by the node whose node config says ``partition-id = c``. The ClientApp rebuilds the
-client view (as a process-pool worker does) from the run's constant part, which the server
-sends once per node and run, on the data the node loads itself from the spec, and runs the call.
+served by the node whose node config says ``partition-id = c``. The ClientApp
+(:mod:`pfl_core.deploy.node`) rebuilds the client view (as a process-pool worker does) from the
+run's constant part, which the server sends once per node and run, on the data the node builds
+itself from the spec (with its own split from node config ``data-path``, if given), and runs
+the call. A ``data-path`` client stands in on the server by the label counts its node reported.
 
-Wire format of this first version: each task, call and result is a pickle (CPU tensors as raw
-bytes, the process executor's format) in a ``ConfigRecord`` bytes value. pfl's own counts of
-the payloads (``comm_up_bytes``, ``comm_down_bytes``) are logged as under ``pfl-run``; the bytes
-Flower carried are logged as ``flower_bytes_down`` and ``flower_bytes_up``.
+A client's state lives on its node (``node.NodeStore``, node config ``state-dir``): a task goes
+out without it and only what ``client_upload`` returned comes back (with the client's metrics
+and work). ``client.staged`` stays on the node until the server says, in its next message to
+that node, whether the upload was delivered (``commit``): then the node merges it, else drops it.
+
+Wire format (:mod:`pfl_core.deploy.records`): the tensors and arrays of a task and of a result (the broadcast, the upload, the
+evaluation message) travel in an ``ArrayRecord`` (numpy format, never pickled), their nesting and
+plain values as JSON in a ``ConfigRecord``. Pickled: the run's constant part (the spec, the
+plugins, the model bank: Python objects, sent once per node and run) and any value of a payload
+that is none of tensor, array, number, string, bool, None, list, tuple, dict or a few pfl value
+classes (``pickle/N`` entries). A node's errors come back as their class's name and message, so
+the server unpickles nothing but such payload values. ``comm_up_bytes`` and ``comm_down_bytes``
+are pfl's own counts as under ``pfl-run``; the bytes Flower carried (every record of every
+message) are logged as ``flower_bytes_down`` and ``flower_bytes_up``.
 
 Run config (``[tool.flwr.app.config]`` or ``flwr run --run-config``): ``spec`` (the spec's path
 on the server), ``set`` (``--set`` overrides, separated by ``;``), ``tracking-uri``,
-``reply-timeout`` (seconds a round waits for its replies, default 600) and ``node-timeout``
-(seconds the server waits for one node per client to connect, default 120).
+``reply-timeout`` (seconds a round waits for its replies, default 600), ``node-timeout``
+(seconds the server waits for one node per client to connect, default 120) and ``node-lost``
+(``"drop"``, the default: a node Flower reports unavailable, or that has not replied within
+``reply-timeout``, is a lost upload as under the ``dropout`` add-on; ``"stop"``: the run stops
+with one line naming the node and the round).
 
 flwr is imported only inside functions (``flower()``): without the ``flower`` extra, building an
 app is one line naming it. The app objects Flower loads are in :mod:`pfl_core.deploy.apps`.
@@ -26,36 +41,47 @@ from __future__ import annotations
 
 import hashlib
 import io
-import pickle
 import sys
 import time
+import uuid
 
+import attrs
+import numpy as np
 import torch
 
 from pfl_core.data.cache import data_parts
-from pfl_core.data.federated import build_federated_data
+from pfl_core.data.federated import ClientData, FederatedData
+from pfl_core.deploy.node import client_main, node_client, replace_client  # noqa: F401 - the ClientApp's function
+from pfl_core.deploy.records import (  # noqa: F401
+    CALLS,
+    FLOWER_MISSING,
+    RECORD,
+    content_bytes,
+    flower,
+    from_content,
+    raise_error,
+    to_content,
+)
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError, SpecError
-from pfl_core.execution.process import _pickled, _returnable, _RuntimePickler, _RuntimeUnpickler
-from pfl_core.execution.views import rebuild_view_call, split_view_call
-from pfl_core.runtime.client import run_client
+from pfl_core.execution.process import _pickled, _RuntimePickler
+from pfl_core.execution.views import split_view_call
+from pfl_core.registry.budget import WorkCounter
+from pfl_core.registry.hookspecs import hookimpl
+from pfl_core.registry.plugins import ADDON, Plugin
+from pfl_core.runtime.client import ClientResult
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.tracking.tracker import make_tracker
 
-FLOWER_MISSING = "Flower is not installed (optional extra: pip install -e '.[flower]')"
-RECORD = "pfl"  # the ConfigRecord every pfl message carries, both ways
 REPLY_TIMEOUT = 600.0
 NODE_TIMEOUT = 120.0
 POLL_SECONDS = 0.05  # between two pulls of replies (Flower's send_and_receive sleeps 3 s)
-
-
-def flower():
-    """flwr's ``app``, ``serverapp`` and ``clientapp`` modules, or one line naming the extra."""
-    try:
-        from flwr import app, clientapp, serverapp
-    except ImportError:
-        raise PflError(FLOWER_MISSING) from None
-    return app, serverapp, clientapp
+NODE_LOST = ("drop", "stop")
+# Flower's error codes (flwr.common.constant.ErrorCode) for a node or its reply that is gone:
+# MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE (no heartbeat for
+# HEARTBEAT_PATIENCE x the interval: 2 x 30 s by default), CLIENT_APP_CRASHED
+LOST_CODES = {3: "message unavailable", 4: "reply unavailable", 5: "node unavailable", 8: "ClientApp crashed"}
+STAGED = "__pfl_flower_staged__"  # in the server's store: the round whose staged state the node may commit
 
 
 def make_server_app():
@@ -101,25 +127,58 @@ def run_on_grid(grid, run_config):
     if raw.get("sweep"):
         raise SpecError("sweep", "a Flower run is one run of one spec; run each point with its own flwr run "
                                  "(run config 'set': the point's settings)")
+    node_lost = str(run_config.get("node-lost", "drop"))
+    if node_lost not in NODE_LOST:
+        raise PflError(f"run config 'node-lost' = {node_lost!r}: must be one of {', '.join(NODE_LOST)}")
     resolved = resolve(raw)
     spec = resolved.spec
     executor = FlowerExecutor(grid, spec.partition.num_clients,
                               reply_timeout=float(run_config.get("reply-timeout", REPLY_TIMEOUT)),
-                              node_timeout=float(run_config.get("node-timeout", NODE_TIMEOUT)))
+                              node_timeout=float(run_config.get("node-timeout", NODE_TIMEOUT)),
+                              drop_lost=node_lost == "drop")
     tracker = make_tracker(spec.tracking, str(run_config.get("tracking-uri", "")) or None)
     result = FlowerEngine(resolved, executor, tracker=tracker, progress=False).run()
     if result.run_id:
         tracker.log_metrics_to(result.run_id, {"flower_bytes_down": float(executor.bytes_down),
-                                               "flower_bytes_up": float(executor.bytes_up)})
+                                               "flower_bytes_up": float(executor.bytes_up),
+                                               "flower_lost_uploads": float(len(executor.lost))})
     return result, result.run_id
+
+
+class LostNodes(Plugin):
+    """Added to a Flower run whose lost nodes count as lost uploads (run config ``node-lost``):
+    a client whose node Flower reported unavailable in this round is a lost upload, as the
+    ``dropout`` add-on's are (the round aggregates the arrivals, the client's staged state is
+    dropped). Holds only the (round, client) pairs lost, so it travels to the nodes as it is."""
+
+    name = "flower-lost-nodes"
+    kind = ADDON
+
+    def __init__(self):
+        super().__init__()
+        self.lost: set[tuple[int, int]] = set()
+
+    @hookimpl
+    def upload_lost(self, ctx, client_id):
+        return (ctx.round, client_id) in self.lost
 
 
 class FlowerEngine(Engine):
     """The engine, its executor the Flower grid's nodes whatever ``[executor]`` names."""
 
     def __init__(self, resolved, executor: FlowerExecutor, **kwargs):
+        if executor.drop_lost:  # the engine's lost-upload path (the dropout add-on's) takes the lost nodes
+            resolved = attrs.evolve(resolved, plugins=[executor.lost_nodes, *resolved.plugins])
         super().__init__(resolved, **kwargs)
         self.flower_executor = executor
+
+    def prepare(self):
+        """The run's context, each client whose node has its own data (node config data-path)
+        standing in by its sizes: label counts as the node reported them, no samples."""
+        ctx = super().prepare()
+        for client, sizes in sorted(self.flower_executor.own_data.items()):
+            replace_client(ctx.data, client, stand_in(client, sizes, ctx.data))
+        return ctx
 
     def _make_executor(self, device, data=None, models=None):
         threads = self.spec.executor.threads or 1  # the sequential loop's, so the server's steps match it
@@ -129,20 +188,47 @@ class FlowerEngine(Engine):
         return self.flower_executor
 
 
+def stand_in(client: int, sizes: dict, data: FederatedData) -> ClientData:
+    """On the server, a client whose node holds its own split: its labels in class order (the
+    counts the node reported: what the client weighting, the work counts and the partition
+    table use), its samples zeros of the spec's shape that take no memory."""
+    tensors = {}
+    for name in ("train", "val", "test"):
+        counts = sizes["counts"][name]
+        if len(counts) > data.num_classes:
+            raise PflError(f"client {client}: node config data-path holds label {len(counts) - 1} in y_{name}, "
+                           f"but the spec's data has {data.num_classes} classes")
+        y = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+        tensors[f"{name}_y"] = y
+        tensors[f"{name}_x"] = torch.zeros(()).expand(len(y), *data.input_shape)
+    indices = {name: np.arange(len(tensors[f"{name}_y"]), dtype=np.int64) for name in ("train", "val", "test")}
+    return ClientData(id=client, indices=indices, num_classes=data.num_classes, **tensors)
+
+
 class FlowerExecutor:
     """The client side of each map as Flower Messages, one per item, to the node of its client;
     results in the items' order. Any other function (server-side work over the server's own
-    context, e.g. COSMOS's per-cluster training) runs here, in the ServerApp."""
+    context, e.g. COSMOS's per-cluster training) runs here, in the ServerApp.
+
+    A task goes without the client's state (its node holds it, :class:`NodeStore`) and comes
+    back without it: the result's ``state`` is the server's (empty) entry, its ``staged`` a
+    marker (``STAGED``: the round) that the engine commits into that entry when the upload
+    arrived; the next message to the node carries it as ``commit``."""
 
     name = "flower"
 
     def __init__(self, grid, num_clients: int, reply_timeout: float = REPLY_TIMEOUT,
-                 node_timeout: float = NODE_TIMEOUT):
+                 node_timeout: float = NODE_TIMEOUT, drop_lost: bool = True):
         self.grid = grid
         self.reply_timeout = reply_timeout
+        self.drop_lost = drop_lost
+        self.lost_nodes = LostNodes()
+        self.lost: list[tuple[int, int, int, str]] = []  # (round, client, node, why) of each lost upload
+        self.run = uuid.uuid4().hex  # names this run's folder in each node's store
         self._runtime: tuple | None = None  # (the constant shipped, its key, its bytes)
         self._holding: set[int] = set()  # nodes that hold the current runtime
-        self.bytes_down = self.bytes_up = 0  # what Flower carried, payloads as sent
+        self.bytes_down = self.bytes_up = 0  # what Flower carried: every record of every message
+        self.own_data: dict[int, dict] = {}  # client -> its node's own split's sizes (node config data-path)
         self.node_of_client = self._find_nodes(num_clients, node_timeout)
 
     def _find_nodes(self, num_clients: int, timeout: float) -> dict[int, int]:
@@ -156,11 +242,14 @@ class FlowerExecutor:
             raise PflError(f"partition.num_clients: the spec has {num_clients} clients but {len(nodes)} Flower node(s) "
                            f"connected within {timeout:.0f} s (run config 'node-timeout'); start one SuperNode per "
                            f"client, each with node config partition-id")
-        records = self._exchange([(node, "query", {}) for node in nodes], "nodes")
+        replies = self._exchange([(node, "query", {}, None) for node in nodes], "nodes")
         node_of_client: dict[int, int] = {}
-        for node, record in zip(nodes, records):
-            self._raise_error(record)
-            client = int(record["partition-id"])
+        for node, reply in zip(nodes, replies):
+            if reply is None:
+                raise PflError(f"node {node}: did not answer which client it serves (Flower: node unavailable)")
+            fields, sizes = reply
+            raise_error(fields, f"node {node}: ")
+            client = int(fields["partition-id"])
             if not 0 <= client < num_clients:
                 raise PflError(f"node {node}: node config partition-id = {client} is out of range: the spec has "
                                f"{num_clients} clients (partition.num_clients), so 0 to {num_clients - 1}")
@@ -168,6 +257,8 @@ class FlowerExecutor:
                 raise PflError(f"node {node}: node config partition-id = {client} is also node "
                                f"{node_of_client[client]}'s; give each SuperNode its own")
             node_of_client[client] = node
+            if sizes is not None:
+                self.own_data[client] = sizes
         return node_of_client
 
     def map(self, fn, items):
@@ -176,31 +267,53 @@ class FlowerExecutor:
             for item in items:
                 yield fn(item)
             return
-        constant, call = split
+        constant, (func, args, kwargs, facts) = split
+        if func not in CALLS:
+            raise PflError(f"flower: {getattr(func, '__qualname__', func)} is not a client-side call a node runs")
+        kind, task_class = CALLS[func]
         key, runtime = self._ship(constant)
-        kind = "train" if call[0] is run_client else "evaluate"
-        group = f"round {call[3]['round']}"
-        call_bytes = _pickled(call)
+        group = f"round {facts['round']}"
+        items = list(items)
         requests = []
         for item in items:
-            fields = {"item": _pickled(item), "call": call_bytes, "runtime-key": key, "client": item.client_id}
             node = self.node_of_client[item.client_id]
+            fields = {"run": self.run, "client": item.client_id, "runtime-key": key}
+            commit = item.state.pop(STAGED, None)  # the engine committed the last upload's staged state
+            if commit is not None:
+                fields["commit"] = commit
             if node not in self._holding:
                 fields["runtime"] = runtime
-            requests.append((node, kind, fields))
-        records = self._exchange(requests, group)
-        # a node whose ClientApp restarted no longer holds the runtime: it says so, and gets it
-        again = [i for i, record in enumerate(records) if record.get("missing-runtime")]
+            body = {"task": {f.name: getattr(item, f.name) for f in attrs.fields(task_class) if f.name != "state"},
+                    "facts": facts, "args": args, "kwargs": kwargs}
+            requests.append((node, kind, fields, body))
+        replies = self._exchange(requests, group)
+        # a node that holds the run neither in memory nor in its store says so, and gets it
+        again = [i for i, reply in enumerate(replies) if reply is not None and reply[0].get("missing-runtime")]
         if again:
-            resent = [(requests[i][0], kind, {**requests[i][2], "runtime": runtime}) for i in again]
-            for i, request, record in zip(again, resent, self._exchange(resent, group)):
-                requests[i], records[i] = request, record
-        for (node, _, fields), record in zip(requests, records):
-            self.bytes_down += sum(len(v) for v in fields.values() if isinstance(v, bytes))
-            self._raise_error(record)
+            resent = [(requests[i][0], kind, {**requests[i][2], "runtime": runtime}, requests[i][3]) for i in again]
+            for i, request, reply in zip(again, resent, self._exchange(resent, group)):
+                requests[i], replies[i] = request, reply
+        for item, (node, _, _, _), reply in zip(items, requests, replies):
+            if reply is None:  # lost (Flower's error reply, or no reply in time), with drop_lost
+                self.lost_nodes.lost.add((facts["round"], item.client_id))
+                yield self._lost_result(item, kind)
+                continue
+            fields, body = reply
+            raise_error(fields)
             self._holding.add(node)
-            self.bytes_up += len(record["result"])
-            yield pickle.loads(record["result"])
+            if kind == "train":
+                staged = {STAGED: fields["staged"]} if "staged" in fields else {}
+                yield ClientResult(**body, state=item.state, staged=staged)
+            else:
+                yield body
+
+    @staticmethod
+    def _lost_result(item, kind: str):
+        """What the engine gets for a client whose node was lost: an upload that the engine's
+        lost-upload path drops (``LostNodes``), no work, no loss."""
+        if kind != "train":
+            raise AssertionError("an evaluation is never dropped")  # _exchange stops the run instead
+        return ClientResult(item.client_id, {}, item.state, WorkCounter())
 
     def _ship(self, constant: dict) -> tuple[str, bytes]:
         """(key, bytes) of the run's constant part as the nodes rebuild it: the spec and device
@@ -220,104 +333,48 @@ class FlowerExecutor:
             self._holding = set()
         return self._runtime[1], self._runtime[2]
 
-    def _exchange(self, requests: list[tuple[int, str, dict]], group: str) -> list:
-        """Send ``(node, message type, fields)`` each as one Message; the replies' records in
-        the same order. A node that has not replied within ``reply_timeout`` stops the run."""
+    def _exchange(self, requests: list[tuple], group: str) -> list:
+        """Send ``(node, message type, fields, body)`` each as one Message; the replies as
+        (fields, body) in the same order. A node Flower reports gone (``LOST_CODES``) or that
+        has not replied within ``reply_timeout``: None in its place for a round's training with
+        ``drop_lost``, else the run stops with one line naming it."""
         app = flower()[0]
-        messages = [app.Message(app.RecordDict({RECORD: app.ConfigRecord(fields)}), node, kind, group_id=group)
-                    for node, kind, fields in requests]
+        messages = [app.Message(to_content(fields, body), node, kind, group_id=group, ttl=self.reply_timeout or None)
+                    for node, kind, fields, body in requests]
+        for message in messages:
+            self.bytes_down += content_bytes(message.content)
         ids = list(self.grid.push_messages(messages))
         if len(ids) != len(messages) or not all(ids):
             raise PflError(f"flower: the SuperLink did not take every message of {group} (too large?)")
         waiting = {message_id: i for i, message_id in enumerate(ids)}
         replies: list = [None] * len(ids)
+        lost: dict[int, str] = {}
         deadline = time.monotonic() + self.reply_timeout
         while waiting:
             for reply in self.grid.pull_messages(list(waiting)):
-                replies[waiting.pop(reply.metadata.reply_to_message_id)] = reply
+                i = waiting.pop(reply.metadata.reply_to_message_id)
+                if reply.has_error():
+                    code, reason = reply.error.code, " ".join(str(reply.error.reason).split())[:300]
+                    if code not in LOST_CODES:
+                        raise PflError(f"node {requests[i][0]}: Flower reported error {code} in {group}: {reason}")
+                    lost[i] = f"Flower: {LOST_CODES[code]} (error {code})"
+                else:
+                    self.bytes_up += content_bytes(reply.content)
+                    replies[i] = from_content(reply.content)
             if waiting and time.monotonic() > deadline:
-                late = sorted(requests[i][0] for i in waiting.values())
-                raise PflError(f"flower: node(s) {', '.join(map(str, late))} did not reply within "
-                               f"{self.reply_timeout:.0f} s in {group} (run config 'reply-timeout')")
+                for i in waiting.values():
+                    lost[i] = f"no reply within {self.reply_timeout:.0f} s (run config 'reply-timeout')"
+                break
             if waiting:
                 time.sleep(POLL_SECONDS)
-        records = []
-        for (node, _, _), reply in zip(requests, replies):
-            if reply.has_error():
-                raise PflError(f"node {node}: Flower reported error {reply.error.code} in {group}: "
-                               f"{' '.join(str(reply.error.reason).split())[:300]}")
-            records.append(dict(reply.content[RECORD]))
-        return records
-
-    @staticmethod
-    def _raise_error(record: dict) -> None:
-        """The exception a node's client side raised, raised here as itself (or its stand-in)."""
-        if "error" in record:
-            raise pickle.loads(record["error"])
+        for i, why in sorted(lost.items()):
+            node, kind = requests[i][0], requests[i][1]
+            if not (self.drop_lost and kind == "train"):
+                raise PflError(f"node {node} (client {requests[i][2].get('client', '?')}) was lost in {group}: {why}"
+                               + ("; run config node-lost = \"drop\" counts it as a lost upload"
+                                  if kind == "train" else ""))
+            self.lost.append((int(group.split()[-1]), requests[i][2]["client"], node, why))
+        return replies
 
     def close(self) -> None:
         self._runtime, self._holding = None, set()
-
-
-# -- the node -----------------------------------------------------------------------------
-
-# In a ClientApp's process: the runtime of the last run it served, per node (the simulation
-# runtime runs several nodes' ClientApps in one process).
-_node_runtime: dict[int, tuple[str, dict]] = {}
-
-
-def client_main(message, context):
-    """The ClientApp: a ``query`` answers the node's client; ``train`` and ``evaluate`` run the
-    call they carry on this node's data. Any error goes back to the server as itself."""
-    app = flower()[0]
-    fields = message.content[RECORD]
-    try:
-        if message.metadata.message_type.split(".")[0] == "query":
-            answer = {"partition-id": node_client(context.node_config)}
-        else:
-            answer = _serve(fields, context)
-    except Exception as exc:  # noqa: BLE001 - any error of the client side goes back to the server as itself
-        answer = {"error": _pickled(_returnable(exc))}
-    return app.Message(app.RecordDict({RECORD: app.ConfigRecord(answer)}), reply_to=message)
-
-
-def node_client(node_config) -> int:
-    """The client this node serves: its node config's ``partition-id``."""
-    if "partition-id" in node_config:
-        value = node_config["partition-id"]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PflError(f"node config partition-id = {value!r}: not a whole number")
-        return value
-    if "data-path" in node_config:
-        raise PflError("node config data-path: a node's own npz file is not supported yet; "
-                       "use partition-id (a client of the spec's partition)")
-    raise PflError("node config: this node has no data; start its SuperNode with "
-                   "--node-config 'partition-id=N' (client N of the spec's partition)")
-
-
-def _serve(fields, context) -> dict:
-    client = node_client(context.node_config)
-    if int(fields["client"]) != client:
-        raise PflError(f"node {context.node_id} serves client {client} (node config partition-id) "
-                       f"but was sent client {fields['client']}'s task")
-    key = fields["runtime-key"]
-    held = _node_runtime.get(context.node_id)
-    if held is None or held[0] != key:
-        if "runtime" not in fields:
-            return {"missing-runtime": True}
-        _node_runtime.pop(context.node_id, None)  # the last run's data goes before this one's loads
-        held = _node_runtime[context.node_id] = (key, _load_runtime(fields["runtime"]))
-    runtime = held[1]
-    torch.set_num_threads(runtime["spec"].executor.threads or 1)
-    item, call = pickle.loads(fields["item"]), pickle.loads(fields["call"])
-    return {"result": _pickled(rebuild_view_call(runtime, call)(item))}
-
-
-def _load_runtime(shipped: bytes) -> dict:
-    """The run's constant part on this node: its data built here from the spec (deterministic
-    from the spec's seed), the rest unpickled onto it."""
-    spec, device, rest = pickle.loads(shipped)
-    torch.set_flush_denormal(True)  # as the server's engine and every executor's workers
-    data = build_federated_data(spec, device=device)
-    return {**_RuntimeUnpickler(io.BytesIO(rest), data_parts(data)).load(), "spec": spec, "device": device,
-            "data": data}
