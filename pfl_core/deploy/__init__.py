@@ -5,5 +5,7 @@
   runtime; needs the ``flower`` extra (``pip install -e '.[flower]'``), imported only when used;
 - :mod:`~pfl_core.deploy.node`: the ClientApp's side, with the node's own store (client states,
   the run and its data on disk);
-- :mod:`~pfl_core.deploy.records`: pfl's messages as Flower records (tensors in an ``ArrayRecord``).
+- :mod:`~pfl_core.deploy.records`: pfl's messages as Flower records (tensors in an ``ArrayRecord``);
+- :mod:`~pfl_core.deploy.local`: a local SuperLink and N SuperNodes (insecure, one machine) and
+  ``flwr run`` on them, for trying an app and for the tests.
 """

@@ -175,6 +175,9 @@ class RayExecutor:
 
 _END = object()
 _QUIET = dict(log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
+# Ray 2.5x tells every ray.init that a future release stops overriding the accelerator env var
+# for tasks without GPUs; pfl asks for none and sets no such variable, so the notice is noise
+warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
 
 
 def start_local_ray(cpus: int) -> None:
