@@ -61,6 +61,7 @@ from pfl_core.registry.hookspecs import hookimpl
 from pfl_core.runtime.aggregate import weighted_average
 from pfl_core.runtime.context import ClientView, ModelBank, clone_state, load_state
 from pfl_core.runtime.evaluation import score
+from pfl_core.runtime.precision import precision_autocast
 from pfl_core.runtime.training import (
     add_to_gradients,
     batch_order,
@@ -97,8 +98,8 @@ __all__ = [
     "Packed", "bits_for_classes", "nbytes",
     # models, clients and training
     "ClientView", "ModelBank", "add_to_gradients", "batch_order", "batch_starts", "clone_state", "layer_keys", "load_state",
-    "make_optimizer", "mean_training_loss", "parameterised_layers", "reset_optimizer", "run_epochs", "score",
-    "split_at", "weighted_average",
+    "make_optimizer", "mean_training_loss", "parameterised_layers", "precision_autocast", "reset_optimizer",
+    "run_epochs", "score", "split_at", "weighted_average",
     # seeds
     "derive_seed", "numpy_rng", "torch_generator",
     # figures and warnings

@@ -14,6 +14,14 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(autouse=True)
+def own_template_stores(tmp_path_factory, monkeypatch):
+    """Each test its own cache of MLflow template stores (tracking/store_check.py: template_store),
+    empty at its start: a store's creation is MLflow's the first time, as it is on a fresh machine,
+    whatever ran before (a test that breaks the creation must reach it)."""
+    monkeypatch.setenv("PFL_CACHE_DIR", str(tmp_path_factory.mktemp("pfl-cache")))
+
+
 def cuda_available() -> bool:
     import torch
 

@@ -429,7 +429,7 @@ def test_coldstart_clients_are_held_out_of_training_and_selection():
 
 def test_without_coldstart_every_client_trains_and_rows_have_no_flag():
     result, engine = run(**{"experiment.rounds": 1})
-    assert engine.ctx.training_clients == [0, 1, 2, 3] and engine.ctx.coldstart_clients == []
+    assert list(engine.ctx.training_clients) == [0, 1, 2, 3] and engine.ctx.coldstart_clients == []
     assert "coldstart" not in result.client_rows[0]
     assert not [k for k in result.final if k.startswith("coldstart_")]
 

@@ -163,8 +163,9 @@ def test_a_new_store_on_a_full_disk_is_one_line_naming_it_and_leaves_nothing(tmp
     code = run_main([spec, "--quiet", "--tracking-uri", uri])
     line = one_error_line(capsys.readouterr().err)
     assert code == 2
-    assert line == (f"pfl-run: error: tracking.uri {uri}: the store cannot be created in {volume} (database or "
-                    f"disk is full); give another tracking.uri, or run with --no-tracking")
+    # the new store is a copy of the template store (store_check.template_store): the OS's words
+    assert line == (f"pfl-run: error: tracking.uri {uri}: the store cannot be created in {volume} (No space "
+                    f"left on device); give another tracking.uri, or run with --no-tracking")
     # the lock file every run on this store waits on stays, as it does beside a store made
     assert sorted(p.name for p in volume.iterdir() if not p.name.startswith("filler-")) == ["mlflow.db.lock"]
     empty(volume)
@@ -215,13 +216,14 @@ def test_a_creation_that_fails_removes_its_own_journal(tmp_path, monkeypatch):
     mid-transaction): both are removed."""
     import mlflow
 
-    from pfl_core.tracking.store_check import create_sqlite_store
+    from pfl_core.tracking.store_check import create_sqlite_store, template_cache
 
     search = mlflow.MlflowClient.search_experiments
 
     def stopped_mid_write(self, *args, **kwargs):
         search(self, *args, **kwargs)
-        (tmp, ) = tmp_path.glob(".new.db.creating-*")
+        # MLflow writes the template store (copied into every new store), in the cache
+        (tmp, ) = template_cache().glob(".*.creating-*")
         tmp.with_name(tmp.name + "-journal").write_bytes(b"a hot journal")
         raise KeyboardInterrupt
 
@@ -229,3 +231,4 @@ def test_a_creation_that_fails_removes_its_own_journal(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         create_sqlite_store(sqlite_uri(tmp_path / "new.db"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.db.lock"]
+    assert [p.name for p in template_cache().iterdir() if not p.name.endswith(".lock")] == []

@@ -1,5 +1,6 @@
 """Federated data kept between runs (the trials of a tuning study): ``DataCache``, and the
-fingerprint that tells whether a run changed the data it was handed (``data_fingerprint``)."""
+fingerprint that tells whether a run changed the data it was handed (``data_fingerprint``);
+the data a study's check built, handed to its first run (``hand_over``, ``take_handed_over``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from pfl_core.data.federated import ClientData, FederatedData, PublicData, build_federated_data
 
-__all__ = ["DataCache", "data_fingerprint", "data_parts"]
+__all__ = ["DataCache", "data_fingerprint", "data_key", "data_parts", "drop_handed_over", "hand_over", "take_handed_over"]
 
 _STRUCTURE = (torch.Tensor, np.ndarray, list, dict)
 
@@ -65,6 +66,38 @@ def data_fingerprint(data: FederatedData) -> tuple:
     return tuple(out)
 
 
+def data_key(spec, device: str | torch.device = "cpu") -> str:
+    """What :func:`build_federated_data` builds from: two specs with the same key build equal data."""
+    from pfl_core.spec import unstructure
+
+    return repr([unstructure(spec.data), unstructure(spec.partition), unstructure(spec.public),
+                 spec.experiment.seed, str(device)])
+
+
+# One data set at most: what a study's check built for the run that starts next (a 200 MB npz
+# took 3.7 s to build, twice). Taken once, by whichever run asks first; a run of other data drops it.
+_handed_over: dict[str, FederatedData] = {}
+
+
+def hand_over(spec, data: FederatedData, device: str | torch.device = "cpu") -> None:
+    """Keep ``data`` (built from ``spec``, not used since) for the next :func:`take_handed_over`."""
+    _handed_over.clear()
+    _handed_over[data_key(spec, device)] = data
+
+
+def take_handed_over(spec, device: str | torch.device = "cpu") -> FederatedData | None:
+    """The data :func:`hand_over` kept if it was built from what ``spec`` builds, else None; either
+    way nothing is kept after (the next run builds its own)."""
+    data = _handed_over.pop(data_key(spec, device), None)
+    _handed_over.clear()
+    return data
+
+
+def drop_handed_over() -> None:
+    """Forget what :func:`hand_over` kept (a study that ended before its first run took it)."""
+    _handed_over.clear()
+
+
 class DataCache:
     """Federated data built once per (data, partition, public set, seed, device) and handed out
     to the trials of a tuning study, which differ in training settings only: they pay the
@@ -79,10 +112,7 @@ class DataCache:
         self._out: dict[int, tuple[str, tuple]] = {}  # id of a copy in use -> (key, fingerprint as handed out)
 
     def get(self, spec, device: Union[str, torch.device] = "cpu") -> FederatedData:
-        from pfl_core.spec import unstructure
-
-        key = repr([unstructure(spec.data), unstructure(spec.partition), unstructure(spec.public),
-                    spec.experiment.seed, str(device)])
+        key = data_key(spec, device)
         if key not in self._built:
             self._built[key] = build_federated_data(spec, device=device)
         idle = self._idle.pop(key, None)

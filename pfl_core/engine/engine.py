@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pfl_core import registry
-from pfl_core.data.cache import DataCache
+from pfl_core.data.cache import DataCache, take_handed_over
 from pfl_core.data.federated import build_federated_data
 from pfl_core.engine.divergence import lower_advice
 from pfl_core.errors import (
@@ -28,12 +28,13 @@ from pfl_core.payload import nbytes
 from pfl_core.registry import Plugin
 from pfl_core.runtime.client import ClientResult, ClientTask, copy_payload, is_overflow, run_client
 from pfl_core.runtime.context import ModelBank, RunContext
-from pfl_core.runtime.evaluation import coldstart_models, evaluate_clients
+from pfl_core.runtime.evaluation import coldstart_models, evaluate_clients, evaluation_sample
+from pfl_core.runtime.precision import check_precision_supported
 from pfl_core.seeding import numpy_rng
 from pfl_core.spec import Spec, dump_toml, structure, unstructure
 from pfl_core.state import checkpoint
 from pfl_core.tracking.tables import table_csv
-from pfl_core.tracking.terminal import Progress, status_line, warning_line
+from pfl_core.tracking.terminal import Progress, note_line, status_line, warning_line
 from pfl_core.tracking.tracker import NullTracker, flatten, log_accuracy_distribution, one_line, run_status
 
 
@@ -150,12 +151,14 @@ class Engine:
         spec = self.spec
         torch.set_flush_denormal(True)  # denormals slowed small CNNs 4-6x on CPU
         device = pick_device(spec.executor.device)
+        check_precision_supported(spec.training, device)  # before minutes of loading
         # A named executor is set up before the data loads: a Ray cluster that cannot be
         # reached is reported at once, not after minutes of loading.
         executor = self._make_executor(device) if spec.executor.name != "auto" else None
         status_line(f"{self.progress_label}: loading {spec.data.name} and partitioning it "
                     f"({spec.partition.scheme}, {spec.partition.num_clients} clients) ...", self.show_progress)
-        data = self.data_cache.get(spec, device) if self.data_cache else build_federated_data(spec, device=device)
+        handed_over = self.data_cache.get(spec, device) if self.data_cache else take_handed_over(spec, device)
+        data = handed_over if handed_over is not None else build_federated_data(spec, device=device)
         models = ModelBank(spec, data.input_shape, data.num_classes, device)
         pm = registry.make_plugin_manager(self.resolved.plugins)
         ctx = RunContext(spec, self.resolved.algorithm.params, data, models, pm.hook,
@@ -175,7 +178,7 @@ class Engine:
         per_round, work = 0, 0.0
         if data is not None:
             per_round = max(1, round(spec.experiment.participation * len(data.clients)))
-            mean_samples = sum(c.num_train for c in data.clients) / max(len(data.clients), 1)
+            mean_samples = data.mean_num_train()
             parameters = sum(t.numel() for t in models.initial_state(models.arch_of(0)).values())
             work = per_round * mean_samples * max(spec.training.local_epochs, 1) * parameters
         name, workers, threads = plan(spec.executor, device.type, per_round, work)
@@ -351,6 +354,7 @@ class Engine:
         for name, value in self.executor_plan.items():  # what executor.name = "auto" came to
             ctx.resolved_value(f"executor.{name}", value)
         ctx.hooks.setup(ctx=ctx)
+        evaluated = evaluation_sample(ctx, note=note_line)  # None: every training client
         progress = Progress(spec.experiment.rounds, self.progress_label, enabled=self.show_progress)
         history: list[dict] = []
         rows: list[dict] = []
@@ -374,9 +378,9 @@ class Engine:
                 }
                 if round % spec.evaluation.every == 0 or round == spec.experiment.rounds:
                     started = time.perf_counter()
-                    scores, rows = evaluate_clients(ctx)
+                    scores, rows = evaluate_clients(ctx, client_ids=evaluated)
                     if spec.evaluation.validation:
-                        scores.update(evaluate_clients(ctx, split="val", prefix="val_")[0])
+                        scores.update(evaluate_clients(ctx, split="val", prefix="val_", client_ids=evaluated)[0])
                     metrics.update(scores, eval_seconds=time.perf_counter() - started)
                     metrics.update(ctx.budget_metrics())  # with this evaluation's fine-tuning steps
                     history.append({"round": round, **metrics})
@@ -443,7 +447,7 @@ class Engine:
         names = data.class_names or [str(c) for c in range(data.num_classes)]
         self.tracker.log_text(table_csv(["client", *names], [[i, *row] for i, row in enumerate(table.tolist())]),
                               "partition/partition_table.csv")
-        if len(data.clients) > self.MAX_CLIENTS_DRAWN:
+        if not 0 < len(table) <= self.MAX_CLIENTS_DRAWN:  # too many clients to draw, or none tabulated (on demand)
             self.tracker.log_text(json.dumps(data.indices_artifact()), "partition/indices.json")
             return
         from pfl_core.tracking import plots  # lazily: matplotlib is slow to import and only needed to draw

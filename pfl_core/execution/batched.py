@@ -46,6 +46,7 @@ from torch import nn
 
 from pfl_core.runtime.client import copy_payload, run_client
 from pfl_core.runtime.context import Client, ClientView
+from pfl_core.runtime.precision import precision_autocast
 from pfl_core.runtime.training import batch_order, batch_starts, mean_training_loss
 from pfl_core.seeding import seed_torch
 
@@ -200,8 +201,9 @@ def train_together(model: nn.Module, clients: list, starts: list[dict[str, torch
     try:
         for t, k in enumerate(going):
             idx = index[:k, t]
-            grads, loss = step({n: p[:k] for n, p in params.items()}, {n: a[:k] for n, a in anchor.items()},
-                               inputs[idx], labels[idx], weight[:k, t])
+            with precision_autocast(training, device):  # as the sequential loop's forward and loss
+                grads, loss = step({n: p[:k] for n, p in params.items()}, {n: a[:k] for n, a in anchor.items()},
+                                   inputs[idx], labels[idx], weight[:k, t])
             with torch.no_grad():
                 for n in names:  # torch.optim.SGD's step (no dampening, no Nesterov), per client
                     p, g = params[n][:k], grads[n]

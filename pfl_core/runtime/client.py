@@ -15,6 +15,7 @@ import torch
 
 from pfl_core.errors import NonFiniteError
 from pfl_core.runtime.context import Client
+from pfl_core.runtime.precision import precision_autocast
 from pfl_core.seeding import seed_torch
 
 
@@ -56,11 +57,12 @@ def run_client(view, task: ClientTask) -> ClientResult:
     before = copy_payload(dict(client.state)) if task.skip else None
     upload, train_loss, diverged = None, None, None
     try:
-        hooks.on_receive(ctx=view, client=client, message=task.message)
-        train_metrics = hooks.local_train(ctx=view, client=client)
+        with precision_autocast(view.spec.training, view.device):  # a method may train on receipt (codistillation)
+            hooks.on_receive(ctx=view, client=client, message=task.message)
+            train_metrics = hooks.local_train(ctx=view, client=client)
         if train_metrics and "train_loss" in train_metrics:
             train_loss = float(train_metrics["train_loss"])
-        upload = hooks.client_upload(ctx=view, client=client)
+        upload = float32_upload(hooks.client_upload(ctx=view, client=client))
         check_finite(upload)
     except (NonFiniteError, RuntimeError) as exc:
         if not isinstance(exc, NonFiniteError) and not is_overflow(exc):
@@ -76,6 +78,29 @@ def run_client(view, task: ClientTask) -> ClientResult:
     staged = client.staged if upload is not None else {}  # a diverged client's round never happened
     return ClientResult(task.client_id, upload, client.state, client.work, train_loss, logged, resolved, diverged,
                         staged)
+
+
+def float32_upload(payload):
+    """``payload`` with every bfloat16 tensor in it as float32: what a bf16 run's client computed
+    under autocast (prototypes, predictions kept from training) is aggregated in float32, and
+    counted as the same bytes as in an fp32 run. Anything else is returned as it is."""
+    if isinstance(payload, torch.Tensor):
+        return payload.float() if payload.dtype == torch.bfloat16 else payload
+    if isinstance(payload, dict):
+        return {k: float32_upload(v) for k, v in payload.items()} if _holds_bf16(payload) else payload
+    if isinstance(payload, (list, tuple)) and not hasattr(payload, "_fields") and _holds_bf16(payload):
+        return type(payload)(float32_upload(v) for v in payload)
+    return payload
+
+
+def _holds_bf16(payload) -> bool:
+    if isinstance(payload, torch.Tensor):
+        return payload.dtype == torch.bfloat16
+    if isinstance(payload, dict):
+        return any(_holds_bf16(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return any(_holds_bf16(v) for v in payload)
+    return False
 
 
 def is_overflow(exc: BaseException) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,25 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     return module
 
 
+class ArchCycle(Sequence):
+    """Client ``i``'s architecture, ``archs[i % len(archs)]`` (``model.pool``, or one
+    ``model.name`` for all), without a list of one entry per client (a million clients)."""
+
+    def __init__(self, archs, num_clients: int):
+        self.archs = list(archs)
+        self.num_clients = num_clients
+
+    def __len__(self) -> int:
+        return self.num_clients
+
+    def __getitem__(self, client_id):
+        if isinstance(client_id, slice):
+            return [self[i] for i in range(self.num_clients)[client_id]]
+        if not -self.num_clients <= client_id < self.num_clients:
+            raise IndexError(f"client {client_id} of {self.num_clients}")
+        return self.archs[client_id % self.num_clients % len(self.archs)]
+
+
 class ModelBank:
     """Architectures per client, seeded initial weights, and one reusable module per arch.
 
@@ -59,10 +78,10 @@ class ModelBank:
             self.client_archs = list(model.clients)
             path = "model.clients"
         elif model.pool is not None:
-            self.client_archs = [model.pool[i % len(model.pool)] for i in range(n)]
+            self.client_archs = ArchCycle(model.pool, n)
             path = "model.pool"
         else:
-            self.client_archs = [model.name] * n
+            self.client_archs = ArchCycle([model.name], n)
             path = "model.name"
         self._plugins: dict[str, Any] = {}
         self._initial: dict[str, dict[str, torch.Tensor]] = {}
@@ -70,7 +89,9 @@ class ModelBank:
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._sized: set[str] = set()  # architectures whose size _check_size has checked
         self._paths: dict[str, str] = {}  # the spec key that first named each architecture
-        for i, arch in enumerate(self.client_archs):
+        # every architecture first appears within one cycle of an ArchCycle
+        first_cycle = len(self.client_archs) if path == "model.clients" else min(n, len(self.client_archs.archs))
+        for i, arch in enumerate(self.client_archs[:first_cycle]):
             self._paths.setdefault(arch, f"{path}[{i}]" if path != "model.name" else path)
             self.plugin(arch, self._paths[arch])
         for arch in model.arch_params:  # also those only a plugin builds (a server model): keys checked now
@@ -318,7 +339,8 @@ class RunContext:
         self.train_losses: list[float] = []  # this round's participants' mean training losses
         # Clients that take part in federated training (all of them unless a plugin holds
         # some out, e.g. cold-start clients that only personalise at the end).
-        self.training_clients: list[int] = list(range(len(data.clients)))
+        # a range, not a list: a million clients are no million objects
+        self.training_clients: Sequence[int] = range(len(data.clients))
         self.coldstart_clients: list[int] = []
         self.comm_up = 0  # cumulative bytes, counted by the engine
         self.comm_down = 0

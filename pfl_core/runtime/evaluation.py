@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.runtime.context import Client
-from pfl_core.seeding import seed_torch
+from pfl_core.runtime.precision import precision_autocast
+from pfl_core.seeding import numpy_rng, seed_torch
 
 
 @attrs.frozen
@@ -91,10 +92,11 @@ def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, 
     split. Runs wherever the executor puts it; returns (row, {prefix: Score}, logged, resolved,
     the optimiser steps of any fine-tuning before scoring)."""
     client = Client(view, task.client_id, state=task.state)
-    if models_for is None:
-        models = view.hooks.personalized_models(ctx=view, client=client, message=task.message)
-    else:
-        models = models_for(client)
+    with precision_autocast(view.spec.training, view.device):  # any fine-tuning before scoring too
+        if models_for is None:
+            models = view.hooks.personalized_models(ctx=view, client=client, message=task.message)
+        else:
+            models = models_for(client)
     if not models:
         raise RuntimeError("no plugin answered personalized_models: the algorithm must say which model to evaluate")
     x = getattr(client.data, f"{task.split}_x")
@@ -102,11 +104,31 @@ def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, 
     row = {"client": task.client_id, "arch": client.arch, "num_train": client.num_train, f"num_{task.split}": len(y)}
     scores = {}
     for model_prefix, model in models.items():
-        scores[model_prefix] = s = score(model, x, y, task.batch_size)
+        with precision_autocast(view.spec.training, view.device):
+            scores[model_prefix] = s = score(model, x, y, task.batch_size)
         row[f"{model_prefix}acc"] = s.accuracy
         row[f"{model_prefix}loss"] = s.loss
     logged, resolved = view.take_reports()
     return row, scores, logged, resolved, client.work.steps  # the steps of fine-tuning before scoring
+
+
+def evaluation_sample(ctx, note=None) -> list[int] | None:
+    """The training clients every evaluation of this run scores when ``evaluation.clients`` is
+    fewer than them: a sample drawn once from ``experiment.seed`` alone (the same clients at every
+    round, in every sweep point and on resume), sorted; None: all of them. A sample is said, as
+    its metrics are not over every client: ``note(text)`` (the engine's stderr line) and the
+    run's tag ``pfl.evaluation_sample``."""
+    wanted, pool = ctx.spec.evaluation.clients, ctx.training_clients
+    if wanted == 0 or wanted >= len(pool):
+        return None
+    chosen = numpy_rng(ctx.spec.experiment.seed, "evaluation_clients").choice(len(pool), size=wanted, replace=False)
+    share = f"{wanted} of {len(pool)} clients"
+    if note is not None:
+        note(f"evaluation metrics are over a sample of {share} (evaluation.clients = {wanted}), the same clients "
+             "at every evaluation")
+    if ctx.tracker is not None:
+        ctx.tracker.set_tag("pfl.evaluation_sample", share)
+    return sorted(int(pool[i]) for i in chosen)
 
 
 def evaluate_clients(ctx, split: str = "test", client_ids=None, models_for=None,

@@ -149,6 +149,9 @@ class TrainingSection:
     # round, client and method) or "skip_client" (left out of this round's aggregate, its
     # state restored; skipped_clients is logged per round).
     on_nonfinite: str = field(default="stop", validator=one_of("stop", "skip_client"))
+    # The forward passes' and losses' arithmetic (pfl_core/runtime/precision.py): "bf16" runs them
+    # under torch.autocast to bfloat16; weights, optimiser state and aggregation stay float32.
+    precision: str = field(default="fp32", validator=one_of("fp32", "bf16"))
 
     def __attrs_post_init__(self):
         # What the optimiser derives from lr and momentum must fit float32 as well (issue 33).
@@ -168,6 +171,10 @@ class EvaluationSection:
     # Also score each client's personalized model on its validation split (val_acc_mean ...),
     # the split to tune hyperparameters on (never the test split).
     validation: bool = False
+    # Evaluate a sample of this many training clients, where evaluating all is infeasible (a
+    # million clients): drawn once per run from experiment.seed, the same at every evaluation
+    # (pfl_core/runtime/evaluation.py: evaluation_sample). 0: every training client.
+    clients: int = field(default=0, validator=at_least(0))
 
 
 @define
@@ -320,6 +327,10 @@ class Spec:
                 f"{self.experiment.coldstart_clients} cold-start clients leave no client to train "
                 f"(partition.num_clients = {self.partition.num_clients})",
             )
+        if self.evaluation.clients > self.partition.num_clients:
+            raise FieldError("evaluation.clients", f"samples {self.evaluation.clients} clients to evaluate, more than "
+                                                   f"there are (partition.num_clients = {self.partition.num_clients}); "
+                                                   "0 evaluates every client")
         archs = sorted(set(self.model.clients or self.model.pool or [self.model.name]))
         if self.executor.name == "batched" and len(archs) > 1:
             raise FieldError("executor.name", f"'batched' trains clients of one architecture together, but "

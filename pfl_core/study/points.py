@@ -260,12 +260,16 @@ def server_archs(point: Point) -> dict[str, str]:
     return {arch: path for plugin in point.resolved.plugins for arch, path in plugin.server_archs(spec).items()}
 
 
+def first_seed_spec(point: Point):
+    """The spec of the point's first run (its first seed's)."""
+    return point.for_seed(point.seeds[0]).spec if point.seeds else point.resolved.spec
+
+
 def point_builds(point: Point):
     """Build what a point's run would build first: its data partition (of its first seed),
     every client's model and its method's server models (on the CPU); raises the SpecError or
     DataError the run would. Returns the federated data."""
-    spec = point.for_seed(point.seeds[0]).spec if point.seeds else point.resolved.spec
-    data = build_federated_data(spec)
+    data = build_federated_data(first_seed_spec(point))
     ModelBank(point.resolved.spec, data.input_shape, data.num_classes, torch.device("cpu")).check_builds(
         server_archs(point))
     return data
@@ -280,13 +284,18 @@ def build_key(point: Point) -> str:
     return repr(shared)
 
 
-def check_every_point_builds(points: list[Point]) -> None:
+def check_every_point_builds(points: list[Point], runs_first: Point | None = None):
     """Before the first run trains: every point's data and models build, so a bad value in the
     last sweep point is said now, not after the others trained. Points that share their data,
-    partition, seeds and models are built once."""
+    partition, seeds and models are built once. Returns the data built for ``runs_first`` (the
+    point whose run starts first), for that run to take (``data.cache.hand_over``), else None."""
     seen = set()
+    first = None
     for point in points:
         key = build_key(point)
         if key not in seen:
             seen.add(key)
-            point_builds(point)
+            data = point_builds(point)
+            if runs_first is not None and key == build_key(runs_first):
+                first = data
+    return first

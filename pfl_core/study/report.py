@@ -46,9 +46,11 @@ def dry_run_report(points: list[Point], out) -> None:
         key = build_key(point)
         if key not in built:
             data = point_builds(point)
-            sizes = [c.num_train for c in data.clients]
+            shown = data.clients if not data.on_demand else data.clients[:data.clients.PLANNING_CLIENTS]
+            sizes = [c.num_train for c in shown]
             public = f", public set {len(data.public.indices)}" if data.public is not None else ""
-            built[key] = (f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}, "
+            generated = f" (of the first {len(shown)}, each client's data generated on demand)" if data.on_demand else ""
+            built[key] = (f"# ok: {len(data.clients)} clients, train sizes {min(sizes)}..{max(sizes)}{generated}, "
                           f"{data.num_classes} classes, input {tuple(data.input_shape)}{public}")
         print(built[key] + "\n", file=out)
 

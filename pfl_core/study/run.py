@@ -12,7 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from pfl_core.data.cache import DataCache
+from pfl_core.data.cache import DataCache, drop_handed_over, hand_over
 from pfl_core.errors import Interrupted, NonFiniteError, PflError
 from pfl_core.spec import apply_overrides, load_toml
 from pfl_core.state.locations import sqlite_file
@@ -21,6 +21,7 @@ from pfl_core.study.points import (
     build_key,
     check_compare_to,
     check_every_point_builds,
+    first_seed_spec,
     reference_points,
     resolve_points,
     run_names,
@@ -86,7 +87,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
                       f"{', '.join(d.key for d in plan.space)}, then its best configuration on its seeds", file=out)
             print(f"# {describe(plans)}", file=out)
         return []
-    check_every_point_builds([*points, *(ref for _, ref in references)])
+    # the first run takes the data its check built (a tuning study's trials share a DataCache instead)
+    runs_first = None if plans else (references[0][1] if references else points[0])
+    first_data = check_every_point_builds([*points, *(ref for _, ref in references)], runs_first)
     for section in stores.values():
         if is_sqlite_store(section, tracking_uri):
             check_store(section, tracking_uri)  # a new one is created now
@@ -137,6 +140,9 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
     def finished() -> list[PointResult]:  # the sweep points' results, then the references not among them
         return [*results, *(r for i, r in enumerate(ref_results) if i not in reused_refs)]
 
+    if first_data is not None:
+        hand_over(first_seed_spec(runs_first), first_data)
+        del first_data  # the run frees it
     try:
         if plans:  # each point at its own best configuration, found on the validation split
             cache = DataCache()
@@ -203,6 +209,7 @@ def run_spec_file(path: str, overrides: list[str], *, dry_run: bool = False, tra
         raise
     finally:
         resume_locks.close()  # however the study ended
+        drop_handed_over()  # a study that stopped before its first run
     if results_dir is not None:
         results_dir.write_results(shown, compare_to, correction=correction, family=family)
     if not quiet:  # --quiet: the summaries and the comparison only

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -66,10 +67,7 @@ def create_sqlite_store(uri: str) -> None:
             # a new name each time: MLflow keeps a store it opened, by its URI, for the process
             tmp = db.with_name(f".{db.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
-                import mlflow
-
-                quiet_mlflow()
-                mlflow.MlflowClient(tracking_uri=sqlite_uri(tmp.resolve())).search_experiments(max_results=1)
+                _fill_new_store(tmp)
                 os.replace(tmp, db)
             finally:
                 for path in (tmp, *(tmp.with_name(tmp.name + side) for side in SQLITE_SIDE_FILES)):
@@ -80,6 +78,132 @@ def create_sqlite_store(uri: str) -> None:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else journal.reason(exc)
         raise PflError(f"tracking.uri {uri}: the store cannot be created in {db.parent} "
                        f"({why}); give another tracking.uri, or run with --no-tracking") from None
+
+
+def _fill_new_store(path: Path) -> None:
+    """MLflow's tables in the new file ``path``: a copy of this MLflow's template store
+    (:func:`template_store`) with the default experiment MLflow would make now (its artifact
+    location and times, the only row that differs between two new stores); MLflow's own
+    creation (2 s of schema migrations) where no template can be kept."""
+    template = template_store()
+    if template is not None:
+        shutil.copyfile(template, path)
+        default_experiment = _default_experiment_row()
+        if default_experiment is not None and _store_revision(path) is not None:
+            import sqlite3
+
+            con = sqlite3.connect(path)
+            try:
+                with con:
+                    con.execute("update experiments set artifact_location = ?, creation_time = ?, "
+                                "last_update_time = ? where experiment_id = 0", default_experiment)
+            finally:
+                con.close()
+            return
+        path.unlink()  # a template this MLflow cannot name the default experiment of: made afresh
+    _mlflow_creates(path)
+
+
+def _mlflow_creates(path: Path) -> None:
+    import mlflow
+
+    quiet_mlflow()
+    mlflow.MlflowClient(tracking_uri=sqlite_uri(path.resolve())).search_experiments(max_results=1)
+
+
+def _default_experiment_row() -> tuple[str, int, int] | None:
+    """(artifact_location, creation_time, last_update_time) of the default experiment (id 0) that
+    MLflow writes into a store it creates now from this directory (its ``_create_default_experiment``);
+    None if MLflow's helpers moved."""
+    try:
+        from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+        from mlflow.tracking._tracking_service.utils import _SERVER_ARTIFACT_ROOT_ENV_VAR
+        from mlflow.utils.time import get_current_time_millis
+        from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+    except ImportError:  # pragma: no cover - another MLflow: the store is made by MLflow itself
+        return None
+    root = resolve_uri_if_local(os.environ.get(_SERVER_ARTIFACT_ROOT_ENV_VAR, DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH))
+    now = get_current_time_millis()
+    return str(append_to_uri_path(root, "0")), now, now
+
+
+def template_cache() -> Path:
+    """Where template stores are kept: ``$PFL_CACHE_DIR/mlflow-stores``, else
+    ``$XDG_CACHE_HOME/pfl/mlflow-stores``, else ``~/.cache/pfl/mlflow-stores``."""
+    base = os.environ.get("PFL_CACHE_DIR")
+    if base:
+        return Path(base) / "mlflow-stores"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pfl" / "mlflow-stores"
+
+
+def template_store() -> Path | None:
+    """A new, empty MLflow store of this MLflow version (its version and its migration scripts'
+    names in the file name), made once (whole or not at all, under a file lock, as
+    :func:`create_sqlite_store` makes a store) and copied for every new store after. None where
+    it cannot be kept (no MLflow migrations found, an unwritable cache): the caller has MLflow
+    create the store."""
+    try:
+        from filelock import FileLock
+
+        template = _template_path()
+        if template is None:
+            return None
+        if _store_revision(template) is not None:
+            return template
+        template.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{template}.lock", timeout=300):
+            if _store_revision(template) is not None:  # another run made it while this one waited
+                return template
+            _remove_abandoned(template)
+            tmp = template.with_name(f".{template.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                _mlflow_creates(tmp)
+                os.replace(tmp, template)
+            finally:
+                for path in (tmp, *(tmp.with_name(tmp.name + side) for side in SQLITE_SIDE_FILES)):
+                    path.unlink(missing_ok=True)
+        return template if _store_revision(template) is not None else None
+    except OSError:  # an unwritable or full cache: MLflow creates the store itself
+        return None
+
+
+def _template_path() -> Path | None:
+    """The template store's file for this MLflow (made or not); None without MLflow's migrations."""
+    import hashlib
+    from importlib.metadata import version
+    from importlib.util import find_spec
+
+    spec = find_spec("mlflow")  # found, not imported (slow)
+    if spec is None or spec.origin is None:
+        return None
+    names = sorted(p.name for p in (Path(spec.origin).parent / "store" / "db_migrations" / "versions").glob("*.py"))
+    if not names:
+        return None
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
+    return template_cache() / f"mlflow-{version('mlflow')}-{digest}.db"
+
+
+def _store_revision(path: Path) -> str | None:
+    """The schema revision of a complete MLflow store at ``path`` (its tables and its
+    ``alembic_version``); None for a missing, empty, half-built or unreadable file."""
+    import sqlite3
+    from urllib.parse import quote
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        con = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=5)
+        try:
+            tables = {row[0] for row in con.execute("select name from sqlite_master where type = 'table'")}
+            if not MLFLOW_TABLES <= tables:
+                return None
+            revision = con.execute("select version_num from alembic_version").fetchall()
+            default = con.execute("select count(*) from experiments where experiment_id = 0").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.DatabaseError:
+        return None
+    return revision[0][0] if len(revision) == 1 and default == 1 else None
 
 
 def _has_content(db: Path) -> bool:
@@ -182,7 +306,16 @@ def _why_read_only(path: Path) -> str:
 
 
 def _schema_head() -> str | None:
-    """The schema revision this MLflow creates (None if its private helper moved)."""
+    """The schema revision this MLflow creates (None if its private helper moved): its template
+    store's (:func:`template_store`, made by this MLflow), read in a millisecond, else from
+    MLflow's migration scripts (half a second)."""
+    try:
+        template = _template_path()
+        known = _store_revision(template) if template is not None else None
+    except OSError:
+        known = None
+    if known is not None:
+        return known
     try:
         from mlflow.store.db.utils import _get_latest_schema_revision
 

@@ -72,6 +72,14 @@ def warning_line(text: str, stream=None) -> None:
     tqdm.write(f"pfl: warning: {text}", file=stream or sys.stderr)
 
 
+def note_line(text: str, stream=None) -> None:
+    """``pfl: note: TEXT`` on stderr, on any stream (a log keeps it): what a reader of the
+    results must know (e.g. that the metrics are over a sample of clients)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"pfl: note: {text}", file=stream or sys.stderr)
+
+
 def human_bytes(value: float) -> str:
     """A byte count for people: ``0 B``, ``512 B``, ``16.2 kB``, ``1.6 MB``, ``3.1 GB`` (powers of
     1000, as MLflow's and most tools' MB)."""

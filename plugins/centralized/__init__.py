@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from pfl_core.api import clone_state, hookimpl, load_state, make_optimizer, run_epochs
+from pfl_core.api import clone_state, hookimpl, load_state, make_optimizer, precision_autocast, run_epochs
 from pfl_plugins.fedavg import FedAvg
 
 
@@ -43,11 +43,12 @@ class Centralized(FedAvg):
             ctx.record_pooled_work(steps=1)
             return True
 
-        run_epochs(model, make_optimizer(model.parameters(), training),
-                   ctx.server["pooled_x"], ctx.server["pooled_y"],
-                   epochs=training.local_epochs, batch_size=training.batch_size,
-                   loss_fn=cross_entropy, generator=ctx.generator("train"), shuffle=training.shuffle,
-                   drop_last=training.drop_last, counter=lambda n: ctx.record_pooled_work(epochs=1),
-                   take_batch=pooled_step)
+        with precision_autocast(training, ctx.device):  # the pooled training, as a client's
+            run_epochs(model, make_optimizer(model.parameters(), training),
+                       ctx.server["pooled_x"], ctx.server["pooled_y"],
+                       epochs=training.local_epochs, batch_size=training.batch_size,
+                       loss_fn=cross_entropy, generator=ctx.generator("train"), shuffle=training.shuffle,
+                       drop_last=training.drop_last, counter=lambda n: ctx.record_pooled_work(epochs=1),
+                       take_batch=pooled_step)
         ctx.server["global"] = clone_state(model)
         return True

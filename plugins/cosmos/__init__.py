@@ -61,6 +61,7 @@ from pfl_core.api import (
     learning_rate,
     load_state,
     mean_l1_distances,
+    precision_autocast,
     predict,
     resolve_plugin,
 )
@@ -240,8 +241,9 @@ class Cosmos(PublicPredictionMethod):
         load_state(model, state if state is not None else ctx.models.initial_state(arch))
         targets = torch.stack([predictions[i] for i in members if i in predictions]).mean(dim=0)
         generator = ctx.generator(f"server_cluster_{k}")  # batch order and augmentations
-        eq1_distill(model, torch.optim.Adam(model.parameters(), lr=p.server_lr), ctx.data.public.x, targets, p,
-                    epochs=epochs, order=generator, augment=generator)
+        with precision_autocast(ctx.spec.training, ctx.device):  # the server's training, as the clients'
+            eq1_distill(model, torch.optim.Adam(model.parameters(), lr=p.server_lr), ctx.data.public.x, targets, p,
+                        epochs=epochs, order=generator, augment=generator)
         return k, clone_state(model), predict(model, ctx.data.public.x, p.temperature)
 
     # -- evaluation -----------------------------------------------------------------

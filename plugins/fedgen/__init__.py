@@ -96,6 +96,7 @@ from pfl_core.api import (
     hookimpl,
     learning_rate,
     load_state,
+    precision_autocast,
 )
 from pfl_plugins.feddbe import FedDBE
 
@@ -250,10 +251,11 @@ class FedGen(WeightAveraging):
         for _ in range(p.generator_steps):
             y = torch.multinomial(prior, batch, replacement=True, generator=draws)
             eps = torch.randn(batch, p.noise_dim, generator=draws)
-            z = generator(y, eps)
-            loss = F.cross_entropy(ensemble_logits(z, y, heads, alpha), y)
-            if p.eta:
-                loss = loss + p.eta * diversity_loss(eps, z)
+            with precision_autocast(ctx.spec.training, ctx.device):  # the server's training, as the clients'
+                z = generator(y, eps)
+                loss = F.cross_entropy(ensemble_logits(z, y, heads, alpha), y)
+                if p.eta:
+                    loss = loss + p.eta * diversity_loss(eps, z)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -70,10 +70,11 @@ class NearestPrototype(nn.Module):
         if not self.prototypes:
             return logits
         emb = store["emb"].flatten(1)
-        out = torch.full((len(x), self.num_classes), NO_PROTOTYPE, dtype=emb.dtype)
         classes = sorted(self.prototypes)
         table = torch.stack([self.prototypes[c] for c in classes])
-        out[:, classes] = -torch.cdist(emb, table).pow(2)
+        scores = -torch.cdist(emb, table).pow(2)  # float32 under bf16 autocast too (cdist runs in float32)
+        out = torch.full((len(x), self.num_classes), NO_PROTOTYPE, dtype=scores.dtype)
+        out[:, classes] = scores
         return out
 
 
