@@ -14,7 +14,7 @@ from tiny import tiny_raw
 
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import PflError
-from pfl_core.spec import dump_toml
+from pfl_core.spec import dump_toml, set_dotted
 from pfl_core.tracking.tracker import make_tracker
 
 FLOWER_SKIP = "flwr is not installed (optional extra: pip install -e '.[flower]')"
@@ -282,6 +282,33 @@ def test_a_method_whose_run_cannot_be_sent_to_the_nodes_is_one_line_naming_algor
     with pytest.raises(PflError) as caught:
         run_on_loopback(three_client_raw(), grid_of(0, 1, 2), tmp_path)
     assert str(caught.value).startswith("algorithm.name: fedavg cannot run under Flower: its run state cannot be sent")
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"algorithm.name": "centralized"},
+     "algorithm.name: centralized cannot run under Flower: it trains one model on every client's data pooled"),
+    ({"algorithm.name": "pmixfed"},
+     "algorithm.name: pmixfed cannot run under Flower: algorithm.params.schedule = 'sigmoid-adaptive' measures"),
+])
+def test_a_method_whose_server_reads_what_only_a_node_holds_is_refused_in_one_line(settings, says, loopback,
+                                                                                  tmp_path):
+    """Run through the grid, both gave other metrics than the sequential loop: Centralized trained
+    nothing, pMixFed's adaptive gamma came from the server's empty view of each client."""
+    raw = three_client_raw()
+    for key, value in settings.items():
+        set_dotted(raw, key, value)
+    with pytest.raises(PflError) as caught:
+        run_on_loopback(raw, grid_of(0, 1, 2), tmp_path)
+    assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
+
+
+def test_pmixfed_with_a_schedule_that_measures_nothing_runs_as_the_sequential_loop(loopback, tmp_path):
+    raw = three_client_raw()
+    for key, value in {"algorithm.name": "pmixfed", "algorithm.params.schedule": "dynamic-only"}.items():
+        set_dotted(raw, key, value)
+    reference = Engine(resolve(raw), progress=False).run()
+    grid = grid_of(0, 1, 2, **{"state-dir": str(tmp_path / "nodes")})
+    assert comparable(run_on_loopback(raw, grid, tmp_path).history) == comparable(reference.history)
 
 
 def test_payloads_travel_as_arrays_and_json_and_come_back_the_same(loopback):

@@ -132,6 +132,9 @@ def run_on_grid(grid, run_config):
         raise PflError(f"run config 'node-lost' = {node_lost!r}: must be one of {', '.join(NODE_LOST)}")
     resolved = resolve(raw)
     spec = resolved.spec
+    blocker = getattr(resolved.algorithm, "not_deployable", lambda: None)()
+    if blocker:  # the method's own word: its server side reads what only a node holds
+        raise SpecError("algorithm.name", f"{spec.algorithm.name} cannot run under Flower: {blocker}")
     executor = FlowerExecutor(grid, spec.partition.num_clients,
                               reply_timeout=float(run_config.get("reply-timeout", REPLY_TIMEOUT)),
                               node_timeout=float(run_config.get("node-timeout", NODE_TIMEOUT)),

@@ -25,6 +25,10 @@ class Centralized(FedAvg):
 
     name = "centralized"
 
+    def not_deployable(self) -> str:
+        """Why the client side cannot run on Flower nodes (pfl_core/deploy/flower.py)."""
+        return "it trains one model on every client's data pooled on the server: there is nothing to deploy"
+
     @hookimpl
     def setup(self, ctx):
         super().setup(ctx)

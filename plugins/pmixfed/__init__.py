@@ -236,6 +236,14 @@ class PMixFed(PartialModel):
     def schedule(self):
         return SCHEDULES[self.params.schedule]
 
+    def not_deployable(self) -> str | None:
+        """Why the client side cannot run on Flower nodes (pfl_core/deploy/flower.py), or None."""
+        if not self.schedule.uses_accuracy:
+            return None
+        return (f"algorithm.params.schedule = {self.params.schedule!r} measures each client's local and global "
+                f"accuracy on its validation split at broadcast (Eq. 10's dAcc), on the server, which in a "
+                f"deployment holds neither the client's model nor its data; 'dynamic-only' and 'beta' run")
+
     # -- the global model and its layers ---------------------------------------------
 
     @hookimpl
