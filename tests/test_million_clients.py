@@ -219,6 +219,23 @@ def test_evaluation_clients_zero_or_all_evaluates_every_client_and_says_nothing(
     assert "sample" not in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("clients, wanted, said", [(10_001, 0, True), (10_000, 0, False), (10_001, 5, False)])
+def test_evaluating_every_one_of_many_clients_is_said_with_the_key_that_samples(clients, wanted, said):
+    from types import SimpleNamespace
+
+    from pfl_core.runtime.evaluation import evaluation_sample
+
+    notes = []
+    spec = SimpleNamespace(evaluation=SimpleNamespace(clients=wanted), experiment=SimpleNamespace(seed=0))
+    ctx = SimpleNamespace(spec=spec, training_clients=range(clients), tracker=None)
+    evaluation_sample(ctx, note=notes.append)
+    every = [n for n in notes if n.startswith("every evaluation scores all")]
+    assert bool(every) == said
+    if said:
+        assert every == [f"every evaluation scores all {clients} training clients (evaluation.clients = 0); "
+                         "evaluation.clients = N scores a fixed sample of N instead"]
+
 # -- existing specs: bit for bit as before ---------------------------------------------------
 
 # Recorded on the commit before issue 37 (git archive HEAD, this venv's torch, one machine):

@@ -112,6 +112,9 @@ def evaluate_client(view, task: EvaluationTask, models_for=None) -> tuple[dict, 
     return row, scores, logged, resolved, client.work.steps  # the steps of fine-tuning before scoring
 
 
+MANY_TO_EVALUATE = 10_000  # training clients above which evaluating them all is said: hours at a million
+
+
 def evaluation_sample(ctx, note=None) -> list[int] | None:
     """The training clients every evaluation of this run scores when ``evaluation.clients`` is
     fewer than them: a sample drawn once from ``experiment.seed`` alone (the same clients at every
@@ -119,6 +122,9 @@ def evaluation_sample(ctx, note=None) -> list[int] | None:
     its metrics are not over every client: ``note(text)`` (the engine's stderr line) and the
     run's tag ``pfl.evaluation_sample``."""
     wanted, pool = ctx.spec.evaluation.clients, ctx.training_clients
+    if wanted == 0 and len(pool) > MANY_TO_EVALUATE and note is not None:
+        note(f"every evaluation scores all {len(pool)} training clients (evaluation.clients = 0); "
+             f"evaluation.clients = N scores a fixed sample of N instead")
     if wanted == 0 or wanted >= len(pool):
         return None
     chosen = numpy_rng(ctx.spec.experiment.seed, "evaluation_clients").choice(len(pool), size=wanted, replace=False)
