@@ -22,6 +22,17 @@ def own_template_stores(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PFL_CACHE_DIR", str(tmp_path_factory.mktemp("pfl-cache")))
 
 
+
+@pytest.fixture(autouse=True)
+def mlflows_default_store_after_each_test():
+    """A tracked run sets MLflow's process-wide tracking URI (tracking/tracker.py); reset after
+    each test, or the next test's default store (``./mlflow.db``) would be an earlier test's."""
+    yield
+    import sys
+
+    if "mlflow" in sys.modules:  # never imported only for this: it is slow
+        sys.modules["mlflow"].set_tracking_uri(None)
+
 def cuda_available() -> bool:
     import torch
 
