@@ -66,6 +66,7 @@ from pfl_core.runtime.training import (
     add_to_gradients,
     batch_order,
     batch_starts,
+    cross_entropy_loss,
     make_optimizer,
     mean_training_loss,
     reset_optimizer,
@@ -97,7 +98,8 @@ __all__ = [
     # messages and their size
     "Packed", "bits_for_classes", "nbytes",
     # models, clients and training
-    "ClientView", "ModelBank", "add_to_gradients", "batch_order", "batch_starts", "clone_state", "layer_keys", "load_state",
+    "ClientView", "ModelBank", "add_to_gradients", "batch_order", "batch_starts", "clone_state", "cross_entropy_loss",
+    "layer_keys", "load_state",
     "make_optimizer", "mean_training_loss", "parameterised_layers", "precision_autocast", "reset_optimizer",
     "run_epochs", "score", "split_at", "weighted_average",
     # seeds

@@ -9,19 +9,11 @@ import os
 
 import pytest
 import torch
+from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
 from harness import assert_close, far_apart, prepared, refused_at_key
-from test_checkpoint import (  # noqa: F401 - fixtures used by name
-    assert_identical,
+from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
-    final_state,
-    killed,
-    metrics,
-    only_run,
-    resume,
-    spec_for,
-    status,
 )
-from test_executors import assert_same_run, run
 from tiny import run_tiny
 
 from pfl_core.runtime.evaluation import evaluated_models
@@ -256,28 +248,13 @@ def test_a_round_without_statistics_keeps_the_previous_calibrated_model():
                                         "model.params": {"hidden": [8], "norm": "batch"}}],
                          ids=["partial", "epochs-batchnorm"])
 def test_the_process_pool_is_bit_identical_to_the_sequential_loop(overrides):
-    sequential, seq_engine = run("ccvr", {"name": "sequential"}, rounds=3, **overrides)
-    pooled, pool_engine = run("ccvr", {"name": "process", "workers": 2}, rounds=3, **overrides)
-    assert pool_engine.executor_plan["name"] == "process"
-    assert_same_run(pooled, pool_engine, sequential, seq_engine)
+    assert_pool_matches_sequential("ccvr", rounds=3, **overrides)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store):  # noqa: F811 - the imported fixture
     overrides = {"algorithm.name": "ccvr", "experiment.participation": 0.5}
-    reference = tmp_path / "reference.db"
-    from pfl_core.cli import run_main
-
-    assert run_main([spec_for(tmp_path, "reference.db", 4, 1, empty_store, **overrides), "--quiet"]) == 0
-    db = tmp_path / "killed.db"
-    killed(["round:3"], spec_for(tmp_path, "killed.db", 4, 1, empty_store, **overrides))
-    run_id = only_run(db)
-    resume(run_id, "--tracking-uri", f"sqlite:///{db}")
-    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
-    server, clients = final_state(db, 4)
-    ref_server, ref_clients = final_state(reference, 4)
-    assert_identical(server, ref_server, "server")
-    assert_identical(clients, ref_clients, "clients")
+    assert_killed_run_resumes_identical(tmp_path, empty_store, **overrides)
 
 
 def test_a_run_ends_and_a_newcomer_is_scored():

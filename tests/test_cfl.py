@@ -11,24 +11,14 @@ import os
 import numpy as np
 import pytest
 import torch
+from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
 from harness import dry_run_error, prepared, recorded_training, refused_at_key
-from test_checkpoint import assert_identical as assert_identical_state
 from test_checkpoint import (
     empty_store,
-    final_state,
-    killed,
-    metrics,
-    only_run,
-    resume,
     same_code_all_along,
-    spec_for,
-    status,
 )
-from test_executors import assert_same_run
-from test_executors import run as run_with_executor
 from tiny import run_tiny, tiny_raw
 
-from pfl_core.cli import run_main
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from pfl_core.runtime.evaluation import evaluated_models
@@ -285,27 +275,15 @@ def test_a_full_run_with_a_coldstart_client():
 
 def test_the_process_executor_is_bit_identical_across_splits():
     overrides = {k: v for k, v in flipped().items() if k != "algorithm.name"}
-    sequential, seq_engine = run_with_executor("cfl", {"name": "sequential"}, rounds=3, **overrides)
-    pooled, pool_engine = run_with_executor("cfl", {"name": "process", "workers": 2}, rounds=3, **overrides)
+    seq_engine, _ = assert_pool_matches_sequential("cfl", rounds=3, **overrides)
     assert len(seq_engine.ctx.server["clusters"]) > 2
-    assert_same_run(pooled, pool_engine, sequential, seq_engine)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 def test_a_run_killed_before_its_splits_resumes_bit_identical(tmp_path, empty_store):
     overrides = flipped(warmup_rounds=2)  # splits in rounds 3 and 4, after the kill
-    reference = tmp_path / "reference.db"
-    assert run_main([spec_for(tmp_path, "reference.db", 4, 1, empty_store, **overrides), "--quiet"]) == 0
-    db = tmp_path / "killed.db"
-    killed(["round:3"], spec_for(tmp_path, "killed.db", 4, 1, empty_store, **overrides))
-    run_id = only_run(db)
-    resume(run_id, "--tracking-uri", f"sqlite:///{db}")
-    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
-    server, clients = final_state(db, 4)
-    ref_server, ref_clients = final_state(reference, 4)
+    ref_server = assert_killed_run_resumes_identical(tmp_path, empty_store, **overrides)
     assert len(ref_server["clusters"]) > 2
-    assert_identical_state(server, ref_server, "server")
-    assert_identical_state(clients, ref_clients, "clients")
 
 
 # -- bad input --------------------------------------------------------------------------------------

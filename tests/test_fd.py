@@ -11,25 +11,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
 from harness import assert_close, assert_same, dry_run_error, far_apart, prepared, train_reference
-from test_checkpoint import assert_identical as assert_identical_state
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
-    final_state,
-    killed,
-    metrics,
-    only_run,
-    resume,
     same_code_all_along,
-    spec_for,
-    status,
 )
-from test_executors import assert_same_run
-from test_executors import run as run_with_executor
 from test_faults import seeded_lost
 from tiny import run_tiny, tiny_raw
 
-from pfl_core.cli import run_main
 from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from pfl_core.runtime.evaluation import evaluated_models
@@ -263,24 +253,13 @@ def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
 
 def test_the_process_pool_is_bit_identical_with_lost_uploads():
     overrides = {**SKEWED, "model.params.hidden": [8], "addons": [{"name": "dropout", "params": {"p": 0.3}}]}
-    sequential, seq_engine = run_with_executor("fd", {"name": "sequential"}, rounds=3, **overrides)
-    pooled, pool_engine = run_with_executor("fd", {"name": "process", "workers": 2}, rounds=3, **overrides)
-    assert pool_engine.executor_plan["name"] == "process"
-    assert_same_run(pooled, pool_engine, sequential, seq_engine)
+    assert_pool_matches_sequential("fd", rounds=3, **overrides)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store):
     overrides = {**BASE, "experiment.participation": 0.5}
-    assert run_main([spec_for(tmp_path, "reference.db", 4, 1, empty_store, **overrides), "--quiet"]) == 0
-    reference, db = tmp_path / "reference.db", tmp_path / "killed.db"
-    killed(["round:3"], spec_for(tmp_path, "killed.db", 4, 1, empty_store, **overrides))
-    resume(only_run(db), "--tracking-uri", f"sqlite:///{db}")
-    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
-    server, clients = final_state(db, 4)
-    ref_server, ref_clients = final_state(reference, 4)
-    assert_identical_state(server, ref_server, "server")
-    assert_identical_state(clients, ref_clients, "clients")
+    assert_killed_run_resumes_identical(tmp_path, empty_store, **overrides)
 
 
 @pytest.mark.gpu

@@ -11,26 +11,16 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
+from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
 from harness import assert_close, assert_same, dry_run_error, far_apart, prepared, shrink
-from test_checkpoint import assert_identical as assert_identical_state
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
-    final_state,
-    killed,
-    metrics,
-    only_run,
-    resume,
     same_code_all_along,
-    spec_for,
-    status,
 )
-from test_executors import assert_same_run
-from test_executors import run as run_with_executor
 from tiny import run_tiny, tiny_raw
 from torch import nn
 
 from pfl_core import hookimpl
-from pfl_core.cli import run_main
 from pfl_core.engine import Engine, resolve
 from pfl_core.errors import SpecError
 from pfl_core.runtime.evaluation import evaluated_models
@@ -300,26 +290,13 @@ def test_when_every_upload_is_lost_nothing_moves():
 
 def test_the_process_pool_is_bit_identical_with_lost_uploads():
     overrides = {"model.params.hidden": [8], "addons": [{"name": "dropout", "params": {"p": 0.3}}]}
-    sequential, seq_engine = run_with_executor("fedem", {"name": "sequential"}, rounds=3, **overrides)
-    pooled, pool_engine = run_with_executor("fedem", {"name": "process", "workers": 2}, rounds=3, **overrides)
-    assert pool_engine.executor_plan["name"] == "process"
-    assert_same_run(pooled, pool_engine, sequential, seq_engine)
+    assert_pool_matches_sequential("fedem", rounds=3, **overrides)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store):  # noqa: F811 - the imported fixture
     overrides = {"algorithm.name": "fedem", "model.params.hidden": [8], "experiment.participation": 0.5}
-    reference = tmp_path / "reference.db"
-    assert run_main([spec_for(tmp_path, "reference.db", 4, 1, empty_store, **overrides), "--quiet"]) == 0
-    db = tmp_path / "killed.db"
-    killed(["round:3"], spec_for(tmp_path, "killed.db", 4, 1, empty_store, **overrides))
-    run_id = only_run(db)
-    resume(run_id, "--tracking-uri", f"sqlite:///{db}")
-    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
-    server, clients = final_state(db, 4)
-    ref_server, ref_clients = final_state(reference, 4)
-    assert_identical_state(server, ref_server, "server")
-    assert_identical_state(clients, ref_clients, "clients")
+    assert_killed_run_resumes_identical(tmp_path, empty_store, **overrides)
 
 
 # -- cold start ----------------------------------------------------------------------------------------

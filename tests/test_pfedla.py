@@ -9,20 +9,12 @@ import os
 
 import pytest
 import torch
+from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
 from harness import assert_close, dry_run_error, far_apart, model_bytes, prepared, refused_at_key, train_reference
-from test_checkpoint import (  # noqa: F401 - fixtures used by name
-    assert_identical,
+from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
-    final_state,
-    killed,
-    metrics,
-    only_run,
-    resume,
     same_code_all_along,
-    spec_for,
-    status,
 )
-from test_executors import assert_same_run, run
 from tiny import tiny_raw
 
 from pfl_core.engine import resolve
@@ -281,30 +273,15 @@ def test_the_initial_hypernetworks_are_fl_benchs():
                                         "model.params": {"hidden": [8], "norm": "batch"}}],
                          ids=["partial-momentum", "heur-batchnorm"])
 def test_the_process_pool_is_bit_identical_to_the_sequential_loop(overrides):
-    sequential, seq_engine = run("pfedla", {"name": "sequential"}, rounds=3, **overrides)
-    pooled, pool_engine = run("pfedla", {"name": "process", "workers": 2}, rounds=3, **overrides)
-    assert pool_engine.executor_plan["name"] == "process"
-    assert_same_run(pooled, pool_engine, sequential, seq_engine)
+    assert_pool_matches_sequential("pfedla", rounds=3, **overrides)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill runs in a forked process")
 def test_a_killed_run_resumes_bit_identical(tmp_path, empty_store):  # noqa: F811 - the imported fixture
     overrides = {"algorithm.name": "pfedla", "experiment.participation": 0.5,
                  "algorithm.params": {"momentum": 0.5}, "model.params": {"hidden": [8], "norm": "batch"}}
-    reference = tmp_path / "reference.db"
-    from pfl_core.cli import run_main
-
-    assert run_main([spec_for(tmp_path, "reference.db", 4, 1, empty_store, **overrides), "--quiet"]) == 0
-    db = tmp_path / "killed.db"
-    killed(["round:3"], spec_for(tmp_path, "killed.db", 4, 1, empty_store, **overrides))
-    run_id = only_run(db)
-    resume(run_id, "--tracking-uri", f"sqlite:///{db}")
-    assert status(db) == "FINISHED" and metrics(db) == metrics(reference)
-    server, clients = final_state(db, 4)
-    ref_server, ref_clients = final_state(reference, 4)
+    ref_server = assert_killed_run_resumes_identical(tmp_path, empty_store, **overrides)
     assert ref_server["hn_momentum"]  # the momentum buffers are part of what resumes
-    assert_identical(server, ref_server, "server")
-    assert_identical(clients, ref_clients, "clients")
 
 
 # -- bad input ------------------------------------------------------------------------------------------

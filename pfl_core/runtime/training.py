@@ -6,6 +6,7 @@ import math
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pfl_core.errors import NonFiniteError
@@ -105,6 +106,12 @@ def run_epochs(
         if counter is not None:
             counter(n)
     return mean_training_loss(total, steps)
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Plain cross-entropy as a ``run_epochs`` loss: a server-side classifier trained on labelled
+    features (CCVR's calibration, FedGH's header)."""
+    return F.cross_entropy(logits, y)
 
 
 def add_to_gradients(model: nn.Module, shifts: dict[str, torch.Tensor], scale: float = 1.0) -> None:

@@ -75,10 +75,19 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from attrs import define, field
 
-from pfl_core.api import WeightAveraging, at_least, classifier, embeddings, head_keys, hookimpl, learning_rate
+from pfl_core.api import (
+    WeightAveraging,
+    at_least,
+    classifier,
+    cross_entropy_loss,
+    embeddings,
+    head_keys,
+    hookimpl,
+    learning_rate,
+    run_epochs,
+)
 
 
 @define
@@ -192,20 +201,13 @@ class CCVR(WeightAveraging):
         model = copy.deepcopy(ctx.models.working(ctx.models.arch_of(0)))
         model.load_state_dict(state)
         head = classifier(model).to(ctx.device)
-        head.train()
         x, y = x.to(ctx.device), y.to(ctx.device)
         optimizer = torch.optim.SGD(head.parameters(), lr=p.server_lr or training.lr)
         batch = p.server_batch_size or training.batch_size
         generator = ctx.generator("ccvr:calibration")
         with torch.enable_grad():
-            for _ in range(p.server_epochs):
-                order = torch.randperm(len(y), generator=generator).to(y.device)
-                for start in range(0, len(y), batch):
-                    rows = order[start:start + batch]
-                    loss = F.cross_entropy(head(x[rows]), y[rows])
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
+            run_epochs(head, optimizer, x, y, epochs=p.server_epochs, batch_size=batch, loss_fn=cross_entropy_loss,
+                       generator=generator)
         calibrated = {k: t.detach().clone() for k, t in state.items()}
         trained = model.state_dict()
         for key in head_keys(model):

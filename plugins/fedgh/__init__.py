@@ -64,7 +64,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from attrs import define, field
 
 from pfl_core.api import (
@@ -73,11 +72,13 @@ from pfl_core.api import (
     at_least,
     classifier,
     clone_state,
+    cross_entropy_loss,
     hookimpl,
     learning_rate,
     load_state,
     local_prototypes,
     model_key,
+    run_epochs,
 )
 
 
@@ -139,19 +140,12 @@ class FedGH(Plugin):
         p = self.params
         header = copy.deepcopy(classifier(ctx.models.working(ctx.models.arch_of(0)))).to(ctx.device)
         header.load_state_dict(ctx.server["header"])
-        header.train()
         optimizer = torch.optim.SGD(header.parameters(), lr=p.server_lr)
         batch = p.server_batch_size or ctx.spec.training.batch_size
         generator = ctx.generator("fedgh:header")
         with torch.enable_grad():
-            for _ in range(p.server_epochs):
-                order = torch.randperm(len(y), generator=generator).to(y.device)
-                for start in range(0, len(y), batch):
-                    rows = order[start:start + batch]
-                    loss = F.cross_entropy(header(x[rows]), y[rows])
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
+            run_epochs(header, optimizer, x, y, epochs=p.server_epochs, batch_size=batch,
+                       loss_fn=cross_entropy_loss, generator=generator)
         return {k: t.detach().clone() for k, t in header.state_dict().items()}
 
     @hookimpl
