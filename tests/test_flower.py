@@ -194,7 +194,8 @@ def test_a_restarted_clientapp_reloads_the_run_and_the_clients_state_from_its_no
     serve = node_side._serve
     builds = []
     build = node_side.build_federated_data
-    monkeypatch.setattr(node_side, "build_federated_data", lambda spec, device: builds.append(1) or build(spec, device))
+    monkeypatch.setattr(node_side, "build_federated_data",
+                        lambda spec, device, stand_ins: builds.append(1) or build(spec, device, stand_ins))
 
     def restarting_serve(kind, fields, body, context):
         calls["n"] += context.node_id == 101
@@ -348,15 +349,21 @@ def export_split(data, client: int, path, keep_train: int | None = None) -> str:
     return str(path)
 
 
-def test_nodes_with_their_own_npz_give_the_sequential_loops_metrics(loopback, tmp_path):
+def test_nodes_with_their_own_npz_give_the_sequential_loops_metrics(loopback, tmp_path, monkeypatch):
     """Each node reads its client's split from its own npz (node config data-path), written
     from the spec's partition: the same metrics; the server's copy of each client is a stand-in
-    built from the sizes the node reported (no samples)."""
-    from pfl_core.data.federated import build_federated_data
+    built from the sizes the node reported (no samples), and with every client's data on its
+    node nothing is partitioned, on the server or on a node."""
+    from pfl_core.data import federated
 
     raw = three_client_raw("ditto")
     reference = Engine(resolve(raw), progress=False).run()
-    data = build_federated_data(resolve(raw).spec)
+    data = federated.build_federated_data(resolve(raw).spec)
+
+    def no_partition(*args, **kwargs):
+        raise AssertionError("the spec's data was partitioned")
+
+    monkeypatch.setattr(federated, "_partitioned_clients", no_partition)
     grid = LoopbackGrid({100 + c: {"partition-id": c, "data-path": export_split(data, c, tmp_path / f"own{c}.npz")}
                          for c in range(3)})
     result = run_on_loopback(raw, grid, tmp_path)

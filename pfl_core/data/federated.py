@@ -306,7 +306,7 @@ def _check_partition(parts, num_clients: int, n: int, name: str) -> list[np.ndar
 # The builder
 
 
-def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> FederatedData:
+def build_federated_data(spec, device: Union[str, torch.device] = "cpu", stand_ins=None) -> FederatedData:
     """Load ``spec.data``, carve ``spec.public``, partition by ``spec.partition``, convert.
 
     Steps, all deterministic from ``spec.experiment.seed``:
@@ -330,6 +330,9 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
     5. Images (uint8) become float32 in [0, 1], NCHW, standardised per channel with the whole
        pool's mean/std; float features are left as they are. Only the selected samples are
        converted (no float copy of the whole pool is made).
+
+    ``stand_ins(num_classes, input_shape)``, when given, gives every client's data in place of
+    steps 3-4 (a Flower run whose nodes all hold their own split: nothing is partitioned).
     """
     seed = spec.experiment.seed
     device = _resolve_device(device)
@@ -360,6 +363,49 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
         keep[public_pos] = False
         remaining = np.flatnonzero(keep).astype(np.int64)
 
+    image = _is_image(raw.x_train)
+    mean = std = None
+    if image:
+        mean, std = _channel_stats(pool)
+
+    if stand_ins is not None:  # each client's data is on its own node (Flower, data-path): no partition here
+        sample_shape = tuple(_to_tensor(pool.take_x(universe[:1]), mean, std, device).shape[1:])
+        clients, partitioner = stand_ins(num_classes, sample_shape), None
+    else:
+        clients = _partitioned_clients(spec, pool, remaining, partitioner, num_classes, mean, std, device)
+        sample_shape = tuple(clients[0].train_x.shape[1:])
+
+    public = None
+    if public_pos is not None:
+        true_y = _labels_tensor(pool.labels[public_pos], device)
+        public = PublicData(
+            x=_to_tensor(pool.take_x(public_pos), mean, std, device),
+            y=true_y.clone() if spec.public.labelled else None,
+            indices=public_pos,
+            true_y=true_y,
+        )
+
+    return FederatedData(
+        clients=clients,
+        public=public,
+        num_classes=num_classes,
+        input_shape=sample_shape,
+        class_names=list(raw.class_names) if raw.class_names else [str(c) for c in range(num_classes)],
+        domain_names=list(raw.domain_names) if raw.domain_names else None,
+        pool_size=pool.size,
+        train_size=pool.n_train,
+        includes_test=pool.with_test,
+        mean=None if mean is None else tuple(float(v) for v in mean),
+        std=None if std is None else tuple(float(v) for v in std),
+        partitioner=partitioner,
+        dataset=dataset,
+    )
+
+
+def _partitioned_clients(spec, pool: _Pool, remaining: np.ndarray, partitioner, num_classes: int, mean, std,
+                         device) -> list[ClientData]:
+    """Steps 3-5 of :func:`build_federated_data` for the samples left after the public set."""
+    seed = spec.experiment.seed
     num_clients = spec.partition.num_clients
     min_samples = spec.partition.min_samples
     if num_clients > len(remaining):  # before a partitioner allocates per client
@@ -384,11 +430,6 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
                 f"client {i} received {len(part)} samples, fewer than {min_samples}: use fewer "
                 "clients, a larger alpha, or lower partition.min_samples",
             )
-
-    image = _is_image(raw.x_train)
-    mean = std = None
-    if image:
-        mean, std = _channel_stats(pool)
 
     in_tuning_pool = None
     if spec.partition.tuning_pool is not None:
@@ -429,29 +470,4 @@ def build_federated_data(spec, device: Union[str, torch.device] = "cpu") -> Fede
             tensors[f"{name}_y"] = _labels_tensor(pool.labels[pos], device)
         clients.append(ClientData(id=i, indices=split_pos, domain=domain, num_classes=num_classes, **tensors))
 
-    public = None
-    if public_pos is not None:
-        true_y = _labels_tensor(pool.labels[public_pos], device)
-        public = PublicData(
-            x=_to_tensor(pool.take_x(public_pos), mean, std, device),
-            y=true_y.clone() if spec.public.labelled else None,
-            indices=public_pos,
-            true_y=true_y,
-        )
-
-    sample_shape = tuple(clients[0].train_x.shape[1:])
-    return FederatedData(
-        clients=clients,
-        public=public,
-        num_classes=num_classes,
-        input_shape=sample_shape,
-        class_names=list(raw.class_names) if raw.class_names else [str(c) for c in range(num_classes)],
-        domain_names=list(raw.domain_names) if raw.domain_names else None,
-        pool_size=pool.size,
-        train_size=pool.n_train,
-        includes_test=pool.with_test,
-        mean=None if mean is None else tuple(float(v) for v in mean),
-        std=None if std is None else tuple(float(v) for v in std),
-        partitioner=partitioner,
-        dataset=dataset,
-    )
+    return clients

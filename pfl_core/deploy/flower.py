@@ -46,12 +46,17 @@ import time
 import uuid
 
 import attrs
-import numpy as np
 import torch
 
-from pfl_core.data.cache import data_parts
-from pfl_core.data.federated import ClientData, FederatedData
-from pfl_core.deploy.node import client_main, node_client, replace_client  # noqa: F401 - the ClientApp's function
+from pfl_core.data.cache import data_parts, hand_over
+from pfl_core.data.federated import build_federated_data
+from pfl_core.deploy.node import (  # noqa: F401 - client_main: the ClientApp's function
+    client_main,
+    node_client,
+    replace_client,
+    stand_in,
+    stand_ins_for,
+)
 from pfl_core.deploy.records import (  # noqa: F401
     CALLS,
     FLOWER_MISSING,
@@ -63,6 +68,7 @@ from pfl_core.deploy.records import (  # noqa: F401
     to_content,
 )
 from pfl_core.engine import Engine, resolve
+from pfl_core.engine.engine import pick_device
 from pfl_core.errors import PflError, SpecError
 from pfl_core.execution.process import _pickled, _RuntimePickler
 from pfl_core.execution.views import split_view_call
@@ -177,10 +183,17 @@ class FlowerEngine(Engine):
 
     def prepare(self):
         """The run's context, each client whose node has its own data (node config data-path)
-        standing in by its sizes: label counts as the node reported them, no samples."""
+        standing in by its sizes: label counts as the node reported them, no samples. When every
+        client's node has its own, nothing is partitioned: only the public set and the
+        standardisation statistics come from the spec's data (as on the nodes)."""
+        own = self.flower_executor.own_data
+        everyone = self.flower_executor.own_data_everywhere()
+        if everyone is not None:
+            device = pick_device(self.spec.executor.device)
+            hand_over(self.spec, build_federated_data(self.spec, device, stand_ins=stand_ins_for(everyone)), device)
         ctx = super().prepare()
-        for client, sizes in sorted(self.flower_executor.own_data.items()):
-            replace_client(ctx.data, client, stand_in(client, sizes, ctx.data))
+        for client, sizes in sorted(own.items()):
+            replace_client(ctx.data, client, stand_in(client, sizes, ctx.data.num_classes, ctx.data.input_shape))
         return ctx
 
     def _make_executor(self, device, data=None, models=None):
@@ -189,23 +202,6 @@ class FlowerEngine(Engine):
         self.executor_plan = {"name": "flower", "workers": len(self.flower_executor.node_of_client),
                               "threads": threads}
         return self.flower_executor
-
-
-def stand_in(client: int, sizes: dict, data: FederatedData) -> ClientData:
-    """On the server, a client whose node holds its own split: its labels in class order (the
-    counts the node reported: what the client weighting, the work counts and the partition
-    table use), its samples zeros of the spec's shape that take no memory."""
-    tensors = {}
-    for name in ("train", "val", "test"):
-        counts = sizes["counts"][name]
-        if len(counts) > data.num_classes:
-            raise PflError(f"client {client}: node config data-path holds label {len(counts) - 1} in y_{name}, "
-                           f"but the spec's data has {data.num_classes} classes")
-        y = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
-        tensors[f"{name}_y"] = y
-        tensors[f"{name}_x"] = torch.zeros(()).expand(len(y), *data.input_shape)
-    indices = {name: np.arange(len(tensors[f"{name}_y"]), dtype=np.int64) for name in ("train", "val", "test")}
-    return ClientData(id=client, indices=indices, num_classes=data.num_classes, **tensors)
 
 
 class FlowerExecutor:
@@ -263,6 +259,11 @@ class FlowerExecutor:
             if sizes is not None:
                 self.own_data[client] = sizes
         return node_of_client
+
+    def own_data_everywhere(self) -> dict | None:
+        """Every client's sizes when every client's node holds its own split (then neither the
+        server nor a node partitions the spec's data), else None."""
+        return self.own_data if len(self.own_data) == len(self.node_of_client) else None
 
     def map(self, fn, items):
         split = split_view_call(fn)
@@ -331,7 +332,7 @@ class FlowerExecutor:
                 raise SpecError("algorithm.name", f"{constant['spec'].algorithm.name} cannot run under Flower: its "
                                                   f"run state cannot be sent to the nodes ({type(exc).__name__}: "
                                                   f"{' '.join(str(exc).split())[:200]})") from None
-            shipped = _pickled((constant["spec"], constant["device"], rest.getvalue()))
+            shipped = _pickled((constant["spec"], constant["device"], self.own_data_everywhere(), rest.getvalue()))
             self._runtime = (constant, hashlib.sha256(shipped).hexdigest(), shipped)
             self._holding = set()
         return self._runtime[1], self._runtime[2]

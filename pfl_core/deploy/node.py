@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -232,6 +233,31 @@ def own_client_data(split: dict, client: int, data: FederatedData) -> ClientData
     return ClientData(id=client, indices=indices, num_classes=data.num_classes, **tensors)
 
 
+def stand_in(client: int, sizes: dict, num_classes: int, input_shape: tuple) -> ClientData:
+    """On the server, a client whose node holds its own split: its labels in class order (the
+    counts the node reported: what the client weighting, the work counts and the partition
+    table use), its samples zeros of the spec's shape that take no memory."""
+    tensors = {}
+    for name in ("train", "val", "test"):
+        counts = sizes["counts"][name]
+        if len(counts) > num_classes:
+            raise PflError(f"client {client}: node config data-path holds label {len(counts) - 1} in y_{name}, "
+                           f"but the spec's data has {num_classes} classes")
+        y = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+        tensors[f"{name}_y"] = y
+        tensors[f"{name}_x"] = torch.zeros(()).expand(len(y), *input_shape)
+    indices = {name: np.arange(len(tensors[f"{name}_y"]), dtype=np.int64) for name in ("train", "val", "test")}
+    return ClientData(id=client, indices=indices, num_classes=num_classes, **tensors)
+
+
+def stand_ins_for(sizes_by_client: dict) -> Callable[[int, tuple], list[ClientData]]:
+    """Every client a stand-in (``build_federated_data``'s ``stand_ins``): a run whose nodes all
+    hold their own split builds this on the server and on every node, so the data's parts (what
+    the run's constant part refers to) are the same everywhere."""
+    return lambda num_classes, input_shape: [stand_in(c, sizes_by_client[c], num_classes, input_shape)
+                                             for c in range(len(sizes_by_client))]
+
+
 def replace_client(data: FederatedData, client: int, replacement: ClientData) -> None:
     if not isinstance(data.clients, list):
         raise PflError(f"node config data-path: the spec's dataset ({type(data.dataset).__name__}) builds its "
@@ -318,11 +344,12 @@ def _load_runtime(shipped: bytes, key: str, store: NodeStore, client: int, split
     """The run's constant part on this node: its data from the node store or built here from
     the spec (deterministic from the spec's seed), client ``client``'s from the node's own
     ``split`` if it has one, the rest unpickled onto it."""
-    spec, device, rest = pickle.loads(shipped)
+    spec, device, own_data_everywhere, rest = pickle.loads(shipped)
     torch.set_flush_denormal(True)  # as the server's engine and every executor's workers
     data = store.data(key, spec, device)
     if data is None:
-        data = build_federated_data(spec, device=device)
+        stand_ins = None if own_data_everywhere is None else stand_ins_for(own_data_everywhere)
+        data = build_federated_data(spec, device=device, stand_ins=stand_ins)
         store.save_data(key, data)
     if split is not None:  # same structure as the server's stand-in: the parts keep their positions
         replace_client(data, client, own_client_data(split, client, data))
