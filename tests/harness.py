@@ -154,6 +154,7 @@ NEEDS = {
     "fedmd": {**PUBLIC, "public.labelled": True},
     "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
     "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
+    "fedap": {"model.params": {"hidden": [16], "norm": "batch"}},
     # a split from round 2 on, so the shared executor and checkpoint tests reach one (the
     # defaults never split a tiny run)
     "cfl": {"algorithm.params": {"warmup_rounds": 1, "eps1": 1e9, "eps2": 0.0}},

@@ -47,7 +47,8 @@ METHODS = {  # one method of each kind the issue names
 }
 NEW_METHODS = ("scaffold", "feddyn", "fednova", "fedadam", "fedyogi", "moon", "fedrod", "fedala", "fedamp",
                "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl",
-               "pfedhn", "fedem", "cfl", "knnper", "fedlc", "fedntd", "fd", "fedkd", "fml", "pfedla", "fedgh", "ccvr", "elastic", "fedadmm")  # issue 38
+               "pfedhn", "fedem", "cfl", "knnper", "fedlc", "fedntd", "fd", "fedkd", "fml", "pfedla", "fedgh", "ccvr", "elastic", "fedadmm",
+               "metafed", "fedap", "fedcac", "fedsr")  # issue 38
 METHODS.update({name: {"algorithm.name": name, **NEEDS.get(name, {})} for name in NEW_METHODS})
 
 
