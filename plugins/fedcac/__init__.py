@@ -86,6 +86,8 @@ from pfl_core.api import (
     at_least,
     between,
     hookimpl,
+    keep_entries,
+    load_kept,
     load_state,
     per_run,
     require_single_architecture,
@@ -225,18 +227,9 @@ class FedCAC(Plugin):
 
     # -- client side ---------------------------------------------------------------------------
 
-    def load_kept(self, ctx, client):
-        """The client's own buffers into its working model: its own after it trained, the
-        initial ones before."""
-        kept = client.state.get("kept")
-        if kept is None:
-            initial = ctx.models.initial_state(client.arch)
-            kept = {k: initial[k] for k in self.kept_keys(ctx, client.arch)}
-        return load_state(client.model, kept)
-
     @hookimpl
     def on_receive(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
         load_state(client.model, message["weights"])
         client.scratch["start"] = message["weights"]  # w_i, for the sensitivity (S2)
         return True
@@ -244,10 +237,7 @@ class FedCAC(Plugin):
     @hookimpl
     def local_train(self, ctx, client):
         metrics = client.train()
-        kept = self.kept_keys(ctx, client.arch)
-        if kept:
-            state = client.model.state_dict()
-            client.state["kept"] = {k: state[k].detach().clone() for k in kept}
+        keep_entries(client, self.kept_keys(ctx, client.arch))
         return metrics
 
     @hookimpl
@@ -259,7 +249,7 @@ class FedCAC(Plugin):
 
     @hookimpl
     def personalized_models(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
         return {"": load_state(client.model, message["weights"])}
 
 

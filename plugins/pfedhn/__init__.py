@@ -111,7 +111,9 @@ from pfl_core.api import (
     greater_than,
     head_keys,
     hookimpl,
+    keep_entries,
     learning_rate,
+    load_kept,
     load_state,
     model_key,
     parameterised_layers,
@@ -328,18 +330,9 @@ class PFedHN(Plugin):
 
     # -- client side ---------------------------------------------------------------------------
 
-    def load_kept(self, ctx, client):
-        """What the client keeps (buffers; pFedHN-PC's classifier) into its working model: its own
-        after it trained, the initial ones before."""
-        kept = client.state.get("kept")
-        if kept is None:
-            initial = ctx.models.initial_state(client.arch)
-            kept = {k: initial[k] for k in self.split(ctx, client.arch)[1]}
-        return load_state(client.model, kept)
-
     @hookimpl
     def on_receive(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.split(ctx, client.arch)[1])
         load_state(client.model, message["weights"])
         client.scratch["theta"] = message["weights"]  # theta_i, for Delta theta_i
         return True
@@ -347,10 +340,7 @@ class PFedHN(Plugin):
     @hookimpl
     def local_train(self, ctx, client):
         metrics = client.train()  # Alg. 1's K local steps: theta~_i (and the own classifier, for PC)
-        kept = self.split(ctx, client.arch)[1]
-        if kept:
-            state = client.model.state_dict()
-            client.state["kept"] = {k: state[k].detach().clone() for k in kept}
+        keep_entries(client, self.split(ctx, client.arch)[1])
         return metrics
 
     @hookimpl
@@ -360,7 +350,7 @@ class PFedHN(Plugin):
 
     @hookimpl
     def personalized_models(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.split(ctx, client.arch)[1])
         return {"": load_state(client.model, message["weights"])}
 
 

@@ -96,8 +96,10 @@ from pfl_core.api import (
     between,
     derive_seed,
     hookimpl,
+    keep_entries,
     layer_keys,
     learning_rate,
+    load_kept,
     load_state,
     parameterised_layers,
     per_run,
@@ -310,18 +312,9 @@ class PFedLA(Plugin):
 
     # -- client side ---------------------------------------------------------------------------
 
-    def load_kept(self, ctx, client):
-        """The client's own buffers into its working model: its own after it trained, the
-        initial ones before."""
-        kept = client.state.get("kept")
-        if kept is None:
-            initial = ctx.models.initial_state(client.arch)
-            kept = {k: initial[k] for k in self.kept_keys(ctx, client.arch)}
-        return load_state(client.model, kept)
-
     @hookimpl
     def on_receive(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
         load_state(client.model, message["weights"])
         client.scratch["theta_bar"] = message["weights"]  # for Delta theta_i
         return True
@@ -329,10 +322,7 @@ class PFedLA(Plugin):
     @hookimpl
     def local_train(self, ctx, client):
         metrics = client.train()
-        kept = self.kept_keys(ctx, client.arch)
-        if kept:
-            state = client.model.state_dict()
-            client.state["kept"] = {k: state[k].detach().clone() for k in kept}
+        keep_entries(client, self.kept_keys(ctx, client.arch))
         return metrics
 
     @hookimpl
@@ -342,7 +332,7 @@ class PFedLA(Plugin):
 
     @hookimpl
     def personalized_models(self, ctx, client, message):
-        self.load_kept(ctx, client)
+        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
         return {"": load_state(client.model, message["weights"])}
 
 
