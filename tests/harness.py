@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,3 +166,13 @@ def builtin_algorithms():
     """The algorithms pfl itself ships (not third-party plugins installed beside it)."""
     return [name for name in registry.names_of_kind(registry.ALGORITHM)
             if registry.discovered()[name].distribution == "pfl"]
+
+
+def random_images(tmp_path, algorithm: str) -> dict:
+    """Overrides for a 2-round run of ``algorithm`` on 200 random 28x28 uint8 images (an npz in
+    ``tmp_path``), LeNet-5 by default: for tests of models with a convolutional extractor."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "images.npz"
+    np.savez(path, x_train=rng.integers(0, 256, (200, 28, 28), dtype=np.uint8), y_train=rng.integers(0, 10, 200))
+    return {"data.name": "npz", "data.params": {"path": str(path)}, "partition.scheme": "iid",
+            "model.name": "lenet5", "model.params": {}, "experiment.rounds": 2, "algorithm.name": algorithm}

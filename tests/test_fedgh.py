@@ -6,11 +6,10 @@ cold start; process executor and resume bit-identical; bad input."""
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, far_apart, prepared, refused_at_key, train_reference
+from harness import assert_close, far_apart, prepared, random_images, refused_at_key, train_reference
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -147,16 +146,8 @@ def test_each_client_is_evaluated_with_its_own_extractor_and_the_current_header(
 # -- heterogeneous extractors --------------------------------------------------------------------------------
 
 
-def images(tmp_path):
-    rng = np.random.default_rng(0)
-    path = tmp_path / "images.npz"
-    np.savez(path, x_train=rng.integers(0, 256, (200, 28, 28), dtype=np.uint8), y_train=rng.integers(0, 10, 200))
-    return {"data.name": "npz", "data.params": {"path": str(path)}, "partition.scheme": "iid",
-            "model.name": "lenet5", "model.params": {}, "experiment.rounds": 2, "algorithm.name": "fedgh"}
-
-
 def test_different_extractors_share_one_header_and_mismatched_headers_are_refused(tmp_path):
-    raw = images(tmp_path)
+    raw = random_images(tmp_path, "fedgh")
     narrow = {"cnn2": {"width": 84 / 512}}  # fc1 gives 84 features, as LeNet-5's
     result, engine = run_tiny(**raw, **{"model.pool": ["lenet5", "cnn2"], "model.arch_params": narrow})
     assert [row["arch"] for row in result.client_rows] == ["lenet5", "cnn2", "lenet5", "cnn2"] and not result.errors

@@ -7,11 +7,19 @@ executor and resume bit-identical; bad input."""
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, far_apart, fresh_model, prepared, refused_at_key, shrink, train_reference
+from harness import (
+    assert_close,
+    far_apart,
+    fresh_model,
+    prepared,
+    random_images,
+    refused_at_key,
+    shrink,
+    train_reference,
+)
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -267,16 +275,8 @@ def test_a_cold_start_client_trains_against_the_final_prototypes():
 # -- models ---------------------------------------------------------------------------------------------
 
 
-def images(tmp_path):
-    rng = np.random.default_rng(0)
-    path = tmp_path / "images.npz"
-    np.savez(path, x_train=rng.integers(0, 256, (200, 28, 28), dtype=np.uint8), y_train=rng.integers(0, 10, 200))
-    return {"data.name": "npz", "data.params": {"path": str(path)}, "partition.scheme": "iid",
-            "model.name": "lenet5", "model.params": {}, "experiment.rounds": 2, "algorithm.name": "fedpcl"}
-
-
 def test_architectures_share_prototypes_only_at_one_representation_width(tmp_path):
-    raw = images(tmp_path)
+    raw = random_images(tmp_path, "fedpcl")
     result, engine = run_tiny(**raw, **{"model.pool": ["lenet5", "cnn2"],
                                         "model.arch_params": {"cnn2": {"width": 84 / 512}}})
     assert not result.errors and engine.ctx.server["global"][0].shape == (84,)
