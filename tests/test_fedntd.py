@@ -51,6 +51,11 @@ def test_the_loss_by_hand():
     # the full-softmax KL (plain distillation) is another number: the test tells them apart
     full = 4 * F.kl_div(F.log_softmax(student / 2, 1), F.softmax(teacher / 2, 1), reduction="batchmean")
     assert abs(full.item() - 4 * kl) > 0.1
+    # tau = 4: the factor is tau^2 = 16 (at tau = 2 it equals 2 tau): q~ = softmax(0, 0.25), softmax(0.5, 0)
+    p = [math.exp(0.5) / (math.exp(0.5) + 1), 1 / (math.exp(0.5) + 1)]
+    q = [1 / (1 + math.exp(0.25)), math.exp(0.25) / (1 + math.exp(0.25))]
+    kl = sum(pc * math.log(pc / qc) for pc, qc in zip(p, q))
+    assert not_true_distillation(student, teacher, y, 4.0).item() == pytest.approx(16 * kl, rel=1e-6)
 
 
 def test_the_loss_is_the_mean_over_the_batch_and_zero_when_the_models_agree():

@@ -298,6 +298,7 @@ def test_heuristic_k_beyond_the_models_layers_is_refused(tmp_path, capsys):
     raw = tiny_raw(**{**BASE, "algorithm.params.heuristic_k": 3})
     line = dry_run_error(tmp_path, capsys, raw)
     assert "algorithm.params.heuristic_k" in line and "the model has 2" in line
+    resolve(tiny_raw(**{**BASE, "algorithm.params.heuristic_k": 2}))  # every layer its own: allowed
 
 
 def test_clients_of_several_architectures_are_refused():
