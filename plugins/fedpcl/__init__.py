@@ -177,7 +177,8 @@ class NearestPrototype(nn.Module):
         out = torch.full((len(x), self.num_classes), NO_PROTOTYPE, dtype=r.dtype, device=r.device)
         if self.table:
             classes = sorted(self.table)
-            out[:, classes] = r @ torch.stack([self.table[c] for c in classes]).T
+            similarity = r @ torch.stack([self.table[c] for c in classes]).T  # bfloat16 under bf16 autocast
+            out[:, classes] = similarity.to(out.dtype)
         return out
 
 
