@@ -48,7 +48,7 @@ from pfl_core.methods.partial import (
     spec_archs,
 )
 from pfl_core.methods.per_run import per_run
-from pfl_core.methods.personal import keep_entries, load_kept, load_personal
+from pfl_core.methods.personal import KeepsOwnEntries, load_personal
 from pfl_core.methods.proximal import AnchoredAveraging, proximal_term
 from pfl_core.models import ModelPlugin
 from pfl_core.models.layers import layer_keys, parameterised_layers, split_at
@@ -113,7 +113,7 @@ __all__ = [
     # shared method machinery
     "AnchoredAveraging", "CodistillParams", "DTYPES", "PartialModel", "PublicPredictionMethod", "SplitParams",
     "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
-    "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "keep_entries", "load_kept", "load_personal", "local_prototypes",
+    "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "KeepsOwnEntries", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",
     "probe_model", "probe_num_layers", "proximal_term", "quantise", "require_public", "rewrite_classifier_input", "require_single_architecture",
     "resolve_split", "spec_archs",

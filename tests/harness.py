@@ -176,3 +176,23 @@ def random_images(tmp_path, algorithm: str) -> dict:
     np.savez(path, x_train=rng.integers(0, 256, (200, 28, 28), dtype=np.uint8), y_train=rng.integers(0, 10, 200))
     return {"data.name": "npz", "data.params": {"path": str(path)}, "partition.scheme": "iid",
             "model.name": "lenet5", "model.params": {}, "experiment.rounds": 2, "algorithm.name": algorithm}
+
+
+def record_messages(ctx, hook: str) -> dict:
+    """Wrap ``ctx.hooks.<hook>`` (``on_broadcast``, ``client_upload``, ...) so that each client's
+    answer is kept, keyed by client id, its tensors copied (the run may change them in place
+    later); the last answer per client wins. Returns that dict, filled as the run goes."""
+    seen, original = {}, getattr(ctx.hooks, hook)
+
+    def copied(value):
+        if isinstance(value, dict):
+            return {k: copied(v) for k, v in value.items()}
+        return value.detach().clone() if torch.is_tensor(value) else value
+
+    def recording(**kw):
+        message = original(**kw)
+        seen[kw["client_id"] if "client_id" in kw else kw["client"].id] = copied(message)
+        return message
+
+    setattr(ctx.hooks, hook, recording)
+    return seen

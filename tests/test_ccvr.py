@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, far_apart, prepared, refused_at_key
+from harness import assert_close, far_apart, prepared, record_messages, refused_at_key
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
 )
@@ -25,24 +25,6 @@ BASE = {"algorithm.name": "ccvr", "model.params.hidden": [8], "experiment.rounds
         "algorithm.params.sample_per_class": 30}
 HEAD = ["fc2.weight", "fc2.bias"]
 BODY = ["fc1.weight", "fc1.bias"]
-
-
-def spy(ctx, hook):
-    """Record each client's message from ``hook`` (on_broadcast or client_upload), copied."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def copied(value):
-        if isinstance(value, dict):
-            return {k: copied(v) for k, v in value.items()}
-        return value.detach().clone() if torch.is_tensor(value) else value
-
-    def recording(**kw):
-        message = original(**kw)
-        seen[kw["client_id"] if "client_id" in kw else kw["client"].id] = copied(message)
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
 
 
 def features(state, x):
@@ -80,7 +62,7 @@ def test_each_participant_sends_its_class_statistics_of_the_broadcast_model_besi
     engine, ctx = prepared(**BASE)
     engine.run_round(ctx, 1)
     broadcast = {k: t.clone() for k, t in ctx.server["global"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     for i in range(4):
         data = ctx.data.clients[i]
@@ -127,7 +109,7 @@ def test_pooling_gives_the_mean_and_unbiased_covariance_of_the_union():
 def test_the_server_pools_the_round_participants_statistics():
     engine, ctx = prepared(**BASE, **{"experiment.participation": 0.5})
     engine.run_round(ctx, 1)
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     broadcast = {k: t.clone() for k, t in ctx.server["global"].items()}
     engine.run_round(ctx, 2)
     assert len(uploads) == 2
@@ -172,7 +154,7 @@ def test_the_classifier_of_the_broadcast_model_is_retrained_on_the_virtual_featu
     engine, ctx = prepared(**BASE, **{f"algorithm.params.{k}": v for k, v in params.items()})
     engine.run_round(ctx, 1)
     broadcast = {k: t.clone() for k, t in ctx.server["global"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     pooled = pool_statistics([uploads[i]["statistics"] for i in ctx.participants])
     x, y = virtual_representations(pooled, 30, torch_generator(0, "ccvr:virtual", 2))
@@ -217,7 +199,7 @@ def test_a_lost_upload_leaves_its_statistics_out_of_the_pooling():
     assert 0 < len(lost) < 4
     engine, ctx = prepared(**BASE, addons=[{"name": "dropout", "params": {"p": p}}])
     broadcast = {k: t.clone() for k, t in ctx.server["global"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     arrived = [i for i in ctx.participants if i not in lost]
     pooled = pool_statistics([uploads[i]["statistics"] for i in arrived])

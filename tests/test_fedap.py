@@ -11,7 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, assert_same, dry_run_error, far_apart, prepared, refused_at_key, train_reference
+from harness import (
+    assert_close,
+    assert_same,
+    dry_run_error,
+    far_apart,
+    prepared,
+    record_messages,
+    refused_at_key,
+    train_reference,
+)
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -94,24 +103,6 @@ def test_the_statistics_are_of_each_batchnorm_layers_input_in_eval_mode():
 # -- the rounds -------------------------------------------------------------------------------------------
 
 
-def recorder(ctx, hook):
-    """Record each client's message from ``hook``: its tensors copied, other values as they are."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def copy(value):
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        return {k: copy(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-    def recording(**kw):
-        message = original(**kw)
-        seen[kw["client_id"] if "client_id" in kw else kw["client"].id] = copy(message)
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
-
-
 def bn_input_reference(ctx, client_id, state):
     """mean and population std of fc1(x) over the client's training split, written out."""
     z = F.linear(ctx.data.clients[client_id].train_x.flatten(1), state["fc1.weight"], state["fc1.bias"])
@@ -140,7 +131,7 @@ def mix_by_hand(w_row, models):
 def test_the_pretraining_rounds_are_fedbn_bit_for_bit():
     overrides = {**BASE, "algorithm.params.pretrain_rounds": 2, "experiment.participation": 0.5}
     engine, ctx = prepared(**overrides)
-    broadcasts = recorder(ctx, "on_broadcast")
+    broadcasts = record_messages(ctx, "on_broadcast")
     fedbn_overrides = {k: v for k, v in overrides.items() if not k.startswith("algorithm.params")}
     ref_engine, ref = prepared(**{**fedbn_overrides, "algorithm.name": "fedbn"})
     for r in (1, 2):
@@ -164,7 +155,7 @@ def test_round_p_plus_1_takes_everyone_who_measures_on_the_pretrained_model_and_
     assert len(ctx.participants) == 2
     pretrained = {k: ctx.server["global"][k].clone() for k in SHARED}
     personal = {i: dict(ctx.store[i].get("personal", {})) for i in range(4)}
-    broadcasts, uploads = recorder(ctx, "on_broadcast"), recorder(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     assert ctx.participants == [0, 1, 2, 3]  # despite participation = 0.5
     initial = ctx.models.initial_state("mlp")
@@ -195,7 +186,7 @@ def test_later_rounds_send_each_client_its_weighted_mix_of_everyones_last_upload
     engine.run_round(ctx, 2)
     w = ctx.server["mixing"].clone()
     last = {j: dict(ctx.server["models"][j]) for j in range(4)}
-    broadcasts, uploads = recorder(ctx, "on_broadcast"), recorder(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     stale = set()
     for r in (3, 4, 5):
         broadcasts.clear()
@@ -224,7 +215,7 @@ def test_a_participant_trains_its_mix_with_its_own_batchnorm_layers():
     engine.run_round(ctx, 2)
     w, models = ctx.server["mixing"].clone(), [dict(ctx.server["models"][j]) for j in range(4)]
     personal = {i: dict(ctx.store[i]["personal"]) for i in range(4)}
-    uploads = recorder(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 3)
     initial = ctx.models.initial_state("mlp")
     for i in range(4):
@@ -249,7 +240,7 @@ def test_each_client_is_evaluated_with_its_mix_and_its_own_batchnorm_layers():
 def test_pretrain_rounds_none_is_half_the_rounds():
     engine, ctx = prepared(**{"algorithm.name": "fedap", **BN_MLP, "experiment.rounds": 5,
                               "experiment.participation": 0.5})
-    broadcasts = recorder(ctx, "on_broadcast")
+    broadcasts = record_messages(ctx, "on_broadcast")
     for r in (1, 2):
         engine.run_round(ctx, r)
         assert len(ctx.participants) == 2 and not any("measure" in m for m in broadcasts.values())
@@ -268,7 +259,7 @@ def test_lost_statistics_are_resent_from_what_the_client_kept_and_a_lost_model_s
     engine, ctx = prepared(**BASE, addons=[{"name": "dropout", "params": {"p": 0.5}}])
     engine.run_round(ctx, 1)
     pretrained = {k: ctx.server["global"][k].clone() for k in SHARED}
-    broadcasts, uploads = recorder(ctx, "on_broadcast"), recorder(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     assert set(ctx.server["statistics"]) == {0, 3} and set(ctx.server["models"]) == {0, 3}
     kept = {i: {k: v.clone() for k, v in ctx.store[i]["statistics"]["bn1"].items()} for i in range(4)}

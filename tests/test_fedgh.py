@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, far_apart, prepared, random_images, refused_at_key, train_reference
+from harness import assert_close, far_apart, prepared, random_images, record_messages, refused_at_key, train_reference
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -25,20 +25,6 @@ from pfl_plugins.fedgh import FedGHParams
 BASE = {"algorithm.name": "fedgh", "model.params.hidden": [8], "experiment.rounds": 3,
         "algorithm.params.server_lr": 0.5}
 HEAD = ["fc2.weight", "fc2.bias"]
-
-
-def spy(ctx, hook):
-    """Record each client's message from ``hook`` (on_broadcast or client_upload), copied."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def recording(**kw):
-        message = original(**kw)
-        who = kw["client_id"] if "client_id" in kw else kw["client"].id
-        seen[who] = {k: {n: t.detach().clone() for n, t in v.items()} for k, v in message.items()}
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
 
 
 def as_fc2(header):
@@ -76,7 +62,7 @@ def test_each_participant_trains_its_extractor_under_the_global_header_and_uploa
     engine.run_round(ctx, 1)
     header = {k: t.clone() for k, t in ctx.server["header"].items()}
     own = {i: dict(ctx.store[i]["weights"]) for i in range(4)}  # round 1's extractor and header
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     initial = ctx.models.initial_state("mlp")
     for i in range(4):
@@ -96,7 +82,7 @@ def test_the_server_trains_the_header_by_minibatch_sgd_on_every_received_pair():
     engine, ctx = prepared(**{**BASE, **{f"algorithm.params.{k}": v for k, v in params.items()}})
     engine.run_round(ctx, 1)
     header = {k: t.clone() for k, t in ctx.server["header"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     pairs = [(uploads[i]["representations"][c], c) for i in ctx.participants for c in sorted(uploads[i]["representations"])]
     assert len(pairs) > 3 and len(pairs) % 3  # several batches, the last one short
@@ -111,7 +97,7 @@ def test_the_server_trains_the_header_by_minibatch_sgd_on_every_received_pair():
 def test_the_default_batch_is_the_clients_batch_size_and_the_rate_is_server_lr():
     engine, ctx = prepared(**BASE, **{"training.batch_size": 4})
     header = {k: t.clone() for k, t in ctx.server["header"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     pairs = [(uploads[i]["representations"][c], c) for i in ctx.participants for c in sorted(uploads[i]["representations"])]
     assert_close(ctx.server["header"], reference_header(header, pairs, 0.5, 4, 1, 0, 1), atol=1e-5)
@@ -168,7 +154,7 @@ def test_a_lost_upload_leaves_its_pairs_out_and_the_client_keeps_its_extractor()
     assert 0 < len(lost) < 4
     engine, ctx = prepared(**BASE, addons=[{"name": "dropout", "params": {"p": p}}])
     header = {k: t.clone() for k, t in ctx.server["header"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     arrived = [i for i in ctx.participants if i not in lost]
     pairs = [(uploads[i]["representations"][c], c) for i in arrived for c in sorted(uploads[i]["representations"])]

@@ -16,6 +16,7 @@ from harness import (
     fresh_model,
     prepared,
     random_images,
+    record_messages,
     refused_at_key,
     shrink,
     train_reference,
@@ -34,19 +35,6 @@ from pfl_plugins.fedpcl import FedPCLParams
 BASE = {"algorithm.name": "fedpcl", "model.params.hidden": [8], "experiment.rounds": 3}
 HALF = {**BASE, "experiment.participation": 0.5}  # rounds 1-2: clients 2, 3; round 3: clients 0, 1
 BODY, HEAD = ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]
-
-
-def spy(ctx, hook):
-    """Record each client's message from ``hook`` (on_broadcast or client_upload)."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def recording(**kw):
-        message = original(**kw)
-        seen[kw["client_id"] if "client_id" in kw else kw["client"].id] = message
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
 
 
 def rep(state, x):
@@ -114,7 +102,7 @@ def reference(ctx, i, start, loss_fn, clip=None):
 def test_round_one_trains_nobody_and_the_global_prototypes_are_the_unweighted_mean():
     engine, ctx = prepared(**BASE)
     shrink(ctx, {0: 30})  # clients 0 and 2 hold class 0, with 30 and 84 samples
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     initial = ctx.models.initial_state("mlp")
     for i in range(4):
@@ -139,7 +127,7 @@ def test_a_participant_trains_on_the_global_and_the_local_prototype_contrast(tau
     engine.run_round(ctx, 1)
     global_protos = dict(ctx.server["global"])
     local_protos = [ctx.server["local"][j] for j in range(4)]
-    broadcasts = spy(ctx, "on_broadcast")
+    broadcasts = record_messages(ctx, "on_broadcast")
     engine.run_round(ctx, 2)
     initial = ctx.models.initial_state("mlp")
     for i in range(4):
@@ -170,7 +158,7 @@ def test_past_round_two_the_store_keeps_each_clients_latest_and_global_classes_p
     engine.run_round(ctx, 2)
     round2 = {j: dict(ctx.server["local"][j]) for j in (2, 3)}
     global2 = dict(ctx.server["global"])
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 3)
     assert ctx.participants == [0, 1]
     initial = ctx.models.initial_state("mlp")
@@ -235,7 +223,7 @@ def test_a_lost_upload_is_neither_stored_nor_averaged_and_the_client_keeps_its_t
     assert sorted(ctx.server["local"]) == [i for i in range(4) if i not in lost1]
     before = {j: dict(v) for j, v in ctx.server["local"].items()}
     global1 = dict(ctx.server["global"])
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     arrived = [i for i in range(4) if i not in lost2]
     for j in range(4):

@@ -10,7 +10,16 @@ import os
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, dry_run_error, far_apart, model_bytes, prepared, refused_at_key, train_reference
+from harness import (
+    assert_close,
+    dry_run_error,
+    far_apart,
+    model_bytes,
+    prepared,
+    record_messages,
+    refused_at_key,
+    train_reference,
+)
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -82,20 +91,6 @@ def test_the_hypergradient_is_the_chain_rule_with_minus_delta_theta_by_hand():
 # -- a round: broadcast, local training, upload --------------------------------------------------------
 
 
-def spy(ctx, hook):
-    """Record each client's message from ``hook`` (on_broadcast or client_upload), copied."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def recording(**kw):
-        message = original(**kw)
-        who = kw["client_id"] if "client_id" in kw else kw["client"].id
-        seen[who] = {k: {n: t.detach().clone() for n, t in v.items()} for k, v in message.items()}
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
-
-
 def hypernetwork_like(ctx, phi, personal_classifier=False):
     """A fresh module holding ``phi``, structured as the run's (its own module, called directly)."""
     model = ctx.models.working("mlp")
@@ -112,7 +107,7 @@ def hypernetwork_like(ctx, phi, personal_classifier=False):
 def test_each_client_receives_its_produced_model_and_uploads_what_local_training_changed():
     engine, ctx = prepared(**BASE)
     phi0 = {k: t.clone() for k, t in ctx.server["hn"].items()}
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     hn = hypernetwork_like(ctx, phi0)
     for i in range(4):
@@ -156,7 +151,7 @@ def test_the_server_steps_once_per_upload_at_the_phi_that_produced_theta():
     params = PFedHNParams(alpha=0.5, **PLAIN_SGD)
     engine, ctx = prepared(**BASE, **{"algorithm.params": {"alpha": 0.5, **PLAIN_SGD}})
     phi0 = {k: t.clone() for k, t in ctx.server["hn"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     expected = reference_steps(ctx, phi0, [(i, uploads[i]["delta"]) for i in range(4)], params, {})
     assert_close(ctx.server["hn"], expected, atol=1e-5)
@@ -178,7 +173,7 @@ def test_momentum_weight_decay_and_the_embedding_rate_over_rounds_one_client_eac
     params = PFedHNParams(**chosen)
     engine, ctx = prepared(**{**BASE, "experiment.rounds": 4, "experiment.participation": 0.25,
                               "algorithm.params": chosen})
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     expected, state = {k: t.clone() for k, t in ctx.server["hn"].items()}, {}
     clients = []
     for r in range(1, 5):
@@ -196,7 +191,7 @@ def test_the_hypernetwork_gradient_is_clipped_to_max_grad_norm():
     engine, ctx = prepared(**BASE, **{"experiment.participation": 0.25,
                                       "algorithm.params": {**PLAIN_SGD, "alpha": alpha, "max_grad_norm": c}})
     phi0 = {k: t.clone() for k, t in ctx.server["hn"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     (client_id, upload), = uploads.items()
     raw = hypergradient(hypernetwork_like(ctx, phi0), phi0, client_id, upload["delta"])
@@ -224,7 +219,7 @@ def test_each_client_is_evaluated_with_its_produced_model_of_the_current_phi():
 
 def test_pfedhn_pc_produces_the_body_and_each_client_keeps_and_trains_its_classifier():
     engine, ctx = prepared(**BASE, **{"experiment.participation": 0.5, "algorithm.params.personal_classifier": True})
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     initial = ctx.models.initial_state("mlp")
     engine.run_round(ctx, 1)
     body, head = PARAMS[:2], PARAMS[2:]
@@ -248,7 +243,7 @@ def test_pfedhn_pc_produces_the_body_and_each_client_keeps_and_trains_its_classi
 
 def test_batchnorm_statistics_are_not_produced_and_stay_with_each_client():
     engine, ctx = prepared(**{**BASE, "model.params": {"hidden": [8], "norm": "batch"}})
-    broadcasts = spy(ctx, "on_broadcast")
+    broadcasts = record_messages(ctx, "on_broadcast")
     engine.run_round(ctx, 1)
     buffers = [k for k, _ in ctx.models.working("mlp").named_buffers()]
     initial = ctx.models.initial_state("mlp")
@@ -271,7 +266,7 @@ def test_a_lost_upload_takes_no_step_and_the_client_keeps_its_classifier():
     chosen = {"alpha": 0.3, "personal_classifier": True, **PLAIN_SGD}
     engine, ctx = prepared(**BASE, **{"algorithm.params": chosen, "addons": [{"name": "dropout", "params": {"p": p}}]})
     phi0 = {k: t.clone() for k, t in ctx.server["hn"].items()}
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 1)
     arrived = [(i, uploads[i]["delta"]) for i in range(4) if i not in lost]
     expected = reference_steps(ctx, phi0, arrived, PFedHNParams(**chosen), {}, personal_classifier=True)

@@ -10,7 +10,16 @@ import os
 import pytest
 import torch
 from bit_identity import assert_killed_run_resumes_identical, assert_pool_matches_sequential
-from harness import assert_close, dry_run_error, far_apart, model_bytes, prepared, refused_at_key, train_reference
+from harness import (
+    assert_close,
+    dry_run_error,
+    far_apart,
+    model_bytes,
+    prepared,
+    record_messages,
+    refused_at_key,
+    train_reference,
+)
 from test_checkpoint import (  # noqa: F401 - the fixtures are used by name
     empty_store,
     same_code_all_along,
@@ -56,20 +65,6 @@ def test_the_mix_is_layer_by_layer():
 # -- a round, recomputed ----------------------------------------------------------------------------
 
 
-def spy(ctx, hook):
-    """Record each client's message from ``hook`` (on_broadcast or client_upload), copied."""
-    seen, original = {}, getattr(ctx.hooks, hook)
-
-    def recording(**kw):
-        message = original(**kw)
-        who = kw["client_id"] if "client_id" in kw else kw["client"].id
-        seen[who] = {k: {n: t.detach().clone() for n, t in v.items()} for k, v in message.items()}
-        return message
-
-    setattr(ctx.hooks, hook, recording)
-    return seen
-
-
 def snapshot(ctx):
     return ({i: dict(phi) for i, phi in ctx.server["hn"].items()},
             {i: dict(m) for i, m in ctx.server["models"].items()})
@@ -101,7 +96,7 @@ def test_each_client_receives_its_layerwise_mix_and_uploads_what_local_training_
     engine, ctx = prepared(**BASE)
     engine.run_round(ctx, 1)  # round 1: every theta_j is theta^0, so every mix is theta^0
     phi, models = snapshot(ctx)
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     for i in range(4):
         with torch.no_grad():
@@ -119,7 +114,7 @@ def test_the_server_steps_each_clients_hypernetwork_and_adds_delta_to_its_model(
     engine, ctx = prepared(**BASE)
     engine.run_round(ctx, 1)
     phi, models = snapshot(ctx)
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     for i in range(4):
         delta = uploads[i]["delta"]
@@ -149,7 +144,7 @@ def test_momentum_is_kept_per_client_over_rounds():
     engine, ctx = prepared(**{**BASE, "experiment.rounds": 5, "experiment.participation": 0.5,
                               "algorithm.params.hn_lr": 0.2, "algorithm.params.momentum": 0.9})
     engine.run_round(ctx, 1)
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     buffers, steps = {}, {i: 0 for i in range(4)}
     for r in range(2, 6):
         phi, models = snapshot(ctx)
@@ -173,7 +168,7 @@ def test_heurpfedla_gives_each_client_its_own_layer_of_largest_self_weight_and_n
     engine, ctx = prepared(**{**BASE, "algorithm.params.heuristic_k": 1})
     engine.run_round(ctx, 1)
     phi, models = snapshot(ctx)
-    broadcasts, uploads = spy(ctx, "on_broadcast"), spy(ctx, "client_upload")
+    broadcasts, uploads = record_messages(ctx, "on_broadcast"), record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     own_layers = set()
     for i in range(4):
@@ -206,7 +201,7 @@ def test_each_client_is_evaluated_with_its_mix_of_the_current_state():
 
 def test_batchnorm_statistics_are_not_mixed_and_stay_with_each_client():
     engine, ctx = prepared(**{**BASE, "model.params": {"hidden": [8], "norm": "batch"}})
-    broadcasts = spy(ctx, "on_broadcast")
+    broadcasts = record_messages(ctx, "on_broadcast")
     engine.run_round(ctx, 1)
     model = ctx.models.working("mlp")
     buffers = [k for k, _ in model.named_buffers()]
@@ -231,7 +226,7 @@ def test_a_lost_upload_moves_neither_the_hypernetwork_nor_the_model_of_its_clien
     engine, ctx = prepared(**BASE, addons=[{"name": "dropout", "params": {"p": p}}])
     engine.run_round(ctx, 1)
     phi, models = snapshot(ctx)
-    uploads = spy(ctx, "client_upload")
+    uploads = record_messages(ctx, "client_upload")
     engine.run_round(ctx, 2)
     for i in range(4):
         if i in lost:

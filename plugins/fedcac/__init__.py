@@ -81,14 +81,11 @@ import torch
 from attrs import define, field
 
 from pfl_core.api import (
+    KeepsOwnEntries,
     Packed,
-    Plugin,
     at_least,
     between,
     hookimpl,
-    keep_entries,
-    load_kept,
-    load_state,
     per_run,
     require_single_architecture,
     weighted_average,
@@ -161,7 +158,7 @@ def start_model(global_weights, customized, mask):
     return {k: torch.where(mask[k], customized[k], w) for k, w in global_weights.items()}
 
 
-class FedCAC(Plugin):
+class FedCAC(KeepsOwnEntries):
     """FedCAC (Wu et al. 2023): each client's most sensitive parameters (its critical ones) come
     from the mean of the clients whose critical parameters overlap its own, the rest from the
     global model; the overlap threshold rises over the rounds (see the module doc)."""
@@ -228,29 +225,11 @@ class FedCAC(Plugin):
     # -- client side ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_receive(self, ctx, client, message):
-        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
-        load_state(client.model, message["weights"])
-        client.scratch["start"] = message["weights"]  # w_i, for the sensitivity (S2)
-        return True
-
-    @hookimpl
-    def local_train(self, ctx, client):
-        metrics = client.train()
-        keep_entries(client, self.kept_keys(ctx, client.arch))
-        return metrics
-
-    @hookimpl
     def client_upload(self, ctx, client):
-        start, tau = client.scratch["start"], self.params.tau
+        start, tau = client.scratch["received"], self.params.tau
         params = {n: p.detach() for n, p in client.model.named_parameters()}
         critical = {n: Packed(critical_mask(start[n].to(p.device), p, tau), 1) for n, p in params.items()}
         return {"weights": params, "critical": critical}
-
-    @hookimpl
-    def personalized_models(self, ctx, client, message):
-        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
-        return {"": load_state(client.model, message["weights"])}
 
 
 __all__ = ["FedCAC", "FedCACParams", "collaborators", "critical_mask", "overlap_rates", "start_model"]

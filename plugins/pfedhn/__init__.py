@@ -102,7 +102,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pfl_core.api import (
-    Plugin,
+    KeepsOwnEntries,
     SpecError,
     at_least,
     between,
@@ -111,10 +111,7 @@ from pfl_core.api import (
     greater_than,
     head_keys,
     hookimpl,
-    keep_entries,
     learning_rate,
-    load_kept,
-    load_state,
     model_key,
     parameterised_layers,
     per_run,
@@ -196,7 +193,7 @@ def hypergradient(hypernetwork: HyperNetwork, phi: dict[str, torch.Tensor], clie
     return dict(zip(leaves, grads))
 
 
-class PFedHN(Plugin):
+class PFedHN(KeepsOwnEntries):
     """pFedHN (Shamsian et al. 2021): a server-side hypernetwork produces each client's model from
     its embedding; clients train it and return the change, which updates the hypernetwork and the
     embedding by the chain rule. Each client is scored with its produced model (see the module doc)."""
@@ -205,6 +202,9 @@ class PFedHN(Plugin):
     Params = PFedHNParams
 
     # -- what the hypernetwork produces (a function of the spec and the model: each side computes it)
+
+    def kept_keys(self, ctx, arch: str) -> list[str]:
+        return self.split(ctx, arch)[1]
 
     def split(self, ctx, arch: str) -> tuple[dict[str, tuple], list[str]]:
         """({produced parameter: shape}, the state-dict keys the client keeps: buffers and, for
@@ -331,27 +331,9 @@ class PFedHN(Plugin):
     # -- client side ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_receive(self, ctx, client, message):
-        load_kept(ctx, client, self.split(ctx, client.arch)[1])
-        load_state(client.model, message["weights"])
-        client.scratch["theta"] = message["weights"]  # theta_i, for Delta theta_i
-        return True
-
-    @hookimpl
-    def local_train(self, ctx, client):
-        metrics = client.train()  # Alg. 1's K local steps: theta~_i (and the own classifier, for PC)
-        keep_entries(client, self.split(ctx, client.arch)[1])
-        return metrics
-
-    @hookimpl
     def client_upload(self, ctx, client):
-        state, theta = client.model.state_dict(), client.scratch["theta"]
+        state, theta = client.model.state_dict(), client.scratch["received"]
         return {"delta": {k: state[k].detach() - theta[k] for k in theta}}  # Delta theta_i = theta~_i - theta_i
-
-    @hookimpl
-    def personalized_models(self, ctx, client, message):
-        load_kept(ctx, client, self.split(ctx, client.arch)[1])
-        return {"": load_state(client.model, message["weights"])}
 
 
 __all__ = ["HyperNetwork", "PFedHN", "PFedHNParams", "hypergradient", "produce"]

@@ -90,17 +90,14 @@ from torch import nn
 from torch.func import functional_call
 
 from pfl_core.api import (
-    Plugin,
+    KeepsOwnEntries,
     SpecError,
     at_least,
     between,
     derive_seed,
     hookimpl,
-    keep_entries,
     layer_keys,
     learning_rate,
-    load_kept,
-    load_state,
     parameterised_layers,
     per_run,
     probe_num_layers,
@@ -175,7 +172,7 @@ def mix(alpha: torch.Tensor, models: list[dict[str, torch.Tensor]], layers: list
     return out
 
 
-class PFedLA(Plugin):
+class PFedLA(KeepsOwnEntries):
     """pFedLA (Ma et al. 2022): a hypernetwork per client on the server produces layer-wise weights
     that mix all clients' models into that client's model; the clients' changes train the
     hypernetworks by the chain rule. Each client is scored with its mix (see the module doc)."""
@@ -313,27 +310,9 @@ class PFedLA(Plugin):
     # -- client side ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_receive(self, ctx, client, message):
-        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
-        load_state(client.model, message["weights"])
-        client.scratch["theta_bar"] = message["weights"]  # for Delta theta_i
-        return True
-
-    @hookimpl
-    def local_train(self, ctx, client):
-        metrics = client.train()
-        keep_entries(client, self.kept_keys(ctx, client.arch))
-        return metrics
-
-    @hookimpl
     def client_upload(self, ctx, client):
-        state, theta_bar = client.model.state_dict(), client.scratch["theta_bar"]
+        state, theta_bar = client.model.state_dict(), client.scratch["received"]
         return {"delta": {k: state[k].detach() - theta_bar[k] for k in theta_bar}}  # theta~_i - theta_bar_i
-
-    @hookimpl
-    def personalized_models(self, ctx, client, message):
-        load_kept(ctx, client, self.kept_keys(ctx, client.arch))
-        return {"": load_state(client.model, message["weights"])}
 
 
 __all__ = ["LayerWeights", "PFedLA", "PFedLAParams", "layer_weights", "mix", "mixing_weights"]
