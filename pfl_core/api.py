@@ -36,6 +36,7 @@ from pfl_core.methods.embeddings import (
     rewrite_classifier_input,
 )
 from pfl_core.methods.expertise import dequantise, expertise_bound, quantise
+from pfl_core.methods.mixing import ClippedSGD, LearnedMix, elementwise_mix
 from pfl_core.methods.partial import (
     PartialModel,
     SplitParams,
@@ -111,7 +112,8 @@ __all__ = [
     # running a spec in a plugin's tests
     "Engine", "Resolved", "RunResult", "resolve",
     # shared method machinery
-    "AnchoredAveraging", "CodistillParams", "DTYPES", "PartialModel", "PublicPredictionMethod", "SplitParams",
+    "AnchoredAveraging", "ClippedSGD", "CodistillParams", "DTYPES", "LearnedMix", "PartialModel", "PublicPredictionMethod",
+    "SplitParams", "elementwise_mix",
     "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
     "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "KeepsOwnEntries", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",

@@ -77,14 +77,16 @@ import numpy as np
 import torch
 from attrs import define, field
 from torch import nn
-from torch.func import functional_call
 
 from pfl_core.api import (
+    ClippedSGD,
+    LearnedMix,
     LocalWork,
     SpecError,
     at_least,
     between,
     clone_state,
+    elementwise_mix,
     finite,
     greater_than,
     hookimpl,
@@ -133,54 +135,16 @@ def ala_split(model: nn.Module, p: int) -> tuple[list[str], list[str]]:
 def local_aggregation(local: dict, global_: dict, weights: dict, lower) -> dict:
     """Eq. 4: Theta-hat = local + (global - local) (.) W on the keys of ``weights``, the global
     model on the ``lower`` keys, the local model elsewhere (every buffer)."""
-    out = dict(local)
-    for key in lower:
-        out[key] = global_[key]
-    for key, w in weights.items():
-        out[key] = local[key] + (global_[key] - local[key]) * w
-    return out
+    return elementwise_mix({**local, **{key: global_[key] for key in lower}}, local, global_, weights)
 
 
-class ClippedSGD(torch.optim.SGD):
-    """Eq. 5's plain gradient step on W, then every element clipped to [0, 1] (the paper's weight
-    clipping)."""
-
-    def __init__(self, params, lr: float):
-        super().__init__(params, lr=lr)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            for w in group["params"]:
-                w.clamp_(0.0, 1.0)
-        return loss
-
-
-class Aggregated(nn.Module):
-    """Theta-hat(W) of Eq. 4 as a module whose only parameters are W: the forward pass runs the
-    client's model with the aggregated weights, so autograd gives grad_W = grad_Theta-hat (.)
-    (global - local), Eq. 5's gradient."""
+class Aggregated(LearnedMix):
+    """Theta-hat(W) of Eq. 4 as a module whose only parameters are W, so autograd gives Eq. 5's
+    gradient; the rest of Eq. 4 (lower layers' parameters: global; buffers: local) is fixed.
+    ``ClippedSGD`` is Eq. 5's step with the paper's weight clipping."""
 
     def __init__(self, model: nn.Module, local: dict, global_: dict, weights: dict, lower):
-        super().__init__()
-        self.names = list(weights)
-        self.W = nn.ParameterList([nn.Parameter(weights[k].detach().clone()) for k in self.names])
-        self._model = [model]  # not a submodule: W is this module's only parameter
-        self.local = {k: local[k].detach() for k in self.names}
-        self.delta = {k: (global_[k] - local[k]).detach() for k in self.names}
-        # the rest of Eq. 4 (lower layers' parameters: global; buffers: local); the forward pass
-        # overrides the mixed entries. Copies: BatchNorm statistics updated while W learns are dropped
-        self.fixed = {k: v.detach().clone() for k, v in local_aggregation(local, global_, {}, lower).items()}
-
-    def weights(self) -> dict:
-        return {k: w.detach().clone() for k, w in zip(self.names, self.W)}
-
-    def forward(self, x):
-        model = self._model[0]
-        model.train(self.training)
-        mixed = {k: self.local[k] + self.delta[k] * w for k, w in zip(self.names, self.W)}
-        return functional_call(model, {**self.fixed, **mixed}, (x,))
+        super().__init__(model, local, global_, weights, fixed=local_aggregation(local, global_, {}, lower))
 
 
 def converged(losses: list[float], threshold: float, num_pre_loss: int) -> bool:
