@@ -48,7 +48,8 @@ METHODS = {  # one method of each kind the issue names
 NEW_METHODS = ("scaffold", "feddyn", "fednova", "fedadam", "fedyogi", "moon", "fedrod", "fedala", "fedamp",
                "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl",
                "pfedhn", "fedem", "cfl", "knnper", "fedlc", "fedntd", "fd", "fedkd", "fml", "pfedla", "fedgh", "ccvr", "elastic", "fedadmm",
-               "metafed", "fedap", "fedcac", "fedsr", "fedpcl", "fedmtl", "fedcross")  # issue 38
+               "metafed", "fedap", "fedcac", "fedsr", "fedpcl", "fedmtl", "fedcross", "fedah",
+               "pfedsim")  # issue 38
 METHODS.update({name: {"algorithm.name": name, **NEEDS.get(name, {})} for name in NEW_METHODS})
 
 
