@@ -36,6 +36,7 @@ from pfl_core.methods.embeddings import (
     rewrite_classifier_input,
 )
 from pfl_core.methods.expertise import dequantise, expertise_bound, quantise
+from pfl_core.methods.hypernetwork import HyperNetwork, hypernetwork_size, produce
 from pfl_core.methods.mixing import ClippedSGD, LearnedMix, elementwise_mix
 from pfl_core.methods.partial import (
     PartialModel,
@@ -114,6 +115,7 @@ __all__ = [
     # shared method machinery
     "AnchoredAveraging", "ClippedSGD", "CodistillParams", "DTYPES", "LearnedMix", "PartialModel", "PublicPredictionMethod",
     "SplitParams", "elementwise_mix",
+    "HyperNetwork", "hypernetwork_size", "produce",
     "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
     "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "KeepsOwnEntries", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",

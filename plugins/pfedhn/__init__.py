@@ -98,10 +98,9 @@ from typing import Optional
 
 import torch
 from attrs import define, field
-from torch import nn
-from torch.func import functional_call
 
 from pfl_core.api import (
+    HyperNetwork,
     KeepsOwnEntries,
     SpecError,
     at_least,
@@ -111,11 +110,13 @@ from pfl_core.api import (
     greater_than,
     head_keys,
     hookimpl,
+    hypernetwork_size,
     learning_rate,
     model_key,
     parameterised_layers,
     per_run,
     probe_num_layers,
+    produce,
     spec_archs,
 )
 
@@ -146,38 +147,6 @@ class PFedHNParams:
     personal_classifier: bool = field(default=False, metadata={
         "doc": "pFedHN-PC: the hypernetwork produces all but the classifier (the last layer), which each "
                "client keeps and trains"})
-
-
-class HyperNetwork(nn.Module):
-    """h(v; phi): an MLP on a client embedding v, then one linear head per produced tensor
-    (the authors' CNNHyper, for any target model). ``embeddings`` holds v_1..v_N."""
-
-    def __init__(self, num_clients: int, embed_dim: int, hidden_dim: int, hidden_layers: int,
-                 shapes: dict[str, tuple]):
-        super().__init__()
-        self.embeddings = nn.Embedding(num_clients, embed_dim)
-        layers: list[nn.Module] = [nn.Linear(embed_dim, hidden_dim)]
-        for _ in range(hidden_layers):
-            layers += [nn.ReLU(), nn.Linear(hidden_dim, hidden_dim)]
-        self.mlp = nn.Sequential(*layers)
-        self.shapes = dict(shapes)
-        self.heads = nn.ModuleList(nn.Linear(hidden_dim, math.prod(shape)) for shape in self.shapes.values())
-
-    def forward(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        features = self.mlp(v)
-        return {name: head(features).view(shape) for (name, shape), head in zip(self.shapes.items(), self.heads)}
-
-
-def hypernetwork_size(num_clients: int, embed_dim: int, hidden_dim: int, hidden_layers: int, produced: int) -> int:
-    """Parameters of the hypernetwork producing ``produced`` numbers: the embedding table, the
-    MLP, and the heads' weights (hidden_dim per produced number) and biases (one)."""
-    mlp = (embed_dim + 1) * hidden_dim + hidden_layers * (hidden_dim + 1) * hidden_dim
-    return num_clients * embed_dim + mlp + (hidden_dim + 1) * produced
-
-
-def produce(hypernetwork: HyperNetwork, phi: dict[str, torch.Tensor], v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """theta = h(v; phi), phi given as a state dict (the module supplies only the structure)."""
-    return functional_call(hypernetwork, phi, (v,))
 
 
 def hypergradient(hypernetwork: HyperNetwork, phi: dict[str, torch.Tensor], client_id: int,
