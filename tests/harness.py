@@ -156,6 +156,7 @@ NEEDS = {
     "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
     "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
     "fedap": {"model.params": {"hidden": [16], "norm": "batch"}},
+    "floco": {"algorithm.params": {"tau": 1, "endpoints": 3}},  # placed in round 1, subregions from round 2
     # a split from round 2 on, so the shared executor and checkpoint tests reach one (the
     # defaults never split a tiny run)
     "cfl": {"algorithm.params": {"warmup_rounds": 1, "eps1": 1e9, "eps2": 0.0}},
