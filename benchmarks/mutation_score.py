@@ -149,7 +149,7 @@ TESTS: dict[str, list[str]] = {
 }
 # issue 38: the methods of PFLlib and FL-bench, each against its own test file
 ISSUE_38 = ("pfedhn", "fedem", "cfl", "knnper", "fedlc", "fedntd", "fd", "fedkd", "fml", "pfedla", "fedgh", "ccvr",
-            "elastic", "fedadmm", "metafed", "fedap", "fedcac", "fedsr", "fedpcl", "fedmtl", "fedcross", "fedah", "pfedsim", "fedgc", "flute", "fediir", "pflda", "pefll", "floco", "adcol")
+            "elastic", "fedadmm", "metafed", "fedap", "fedcac", "fedsr", "fedpcl", "fedmtl", "fedcross", "fedah", "pfedsim", "fedgc", "flute", "fediir", "pflda", "pefll", "floco", "adcol", "fedfed")
 TESTS.update({f"plugins/{name}": [f"tests/test_{name}.py"] for name in ISSUE_38})
 NAME_TEST = "tests/test_baselines.py::test_every_built_in_plugin_carries_its_entry_point_name"
 DOCS_TEST = "tests/test_docs.py"  # a parameter's documented text, default and constraint

@@ -156,6 +156,8 @@ NEEDS = {
     "fedsimsup": {"algorithm.params": {"supervisor": "mlp", "supervisor_arch_params": {"mlp": {"hidden": [4]}}}},
     "fedbn": {"model.params": {"hidden": [16], "norm": "batch"}},
     "fedap": {"model.params": {"hidden": [16], "norm": "batch"}},
+    # one distillation round, so a 3-round run also reaches the sharing round and FedAvg on the shared set
+    "fedfed": {"algorithm.params": {"distill_rounds": 1}},
     "floco": {"algorithm.params": {"tau": 1, "endpoints": 3}},  # placed in round 1, subregions from round 2
     # a split from round 2 on, so the shared executor and checkpoint tests reach one (the
     # defaults never split a tiny run)

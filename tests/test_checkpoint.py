@@ -49,7 +49,7 @@ NEW_METHODS = ("scaffold", "feddyn", "fednova", "fedadam", "fedyogi", "moon", "f
                "fedfomo", "apple", "feddbe", "fedgen", "fedcp", "gpfl",
                "pfedhn", "fedem", "cfl", "knnper", "fedlc", "fedntd", "fd", "fedkd", "fml", "pfedla", "fedgh", "ccvr", "elastic", "fedadmm",
                "metafed", "fedap", "fedcac", "fedsr", "fedpcl", "fedmtl", "fedcross", "fedah",
-               "pfedsim", "fedgc", "flute", "fediir", "pflda", "pefll", "floco", "adcol")  # issue 38
+               "pfedsim", "fedgc", "flute", "fediir", "pflda", "pefll", "floco", "adcol", "fedfed")  # issue 38
 METHODS.update({name: {"algorithm.name": name, **NEEDS.get(name, {})} for name in NEW_METHODS})
 
 
