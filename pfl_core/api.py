@@ -30,13 +30,14 @@ from pfl_core.methods.embeddings import (
     aggregate_prototypes,
     capture_embedding,
     classifier,
+    classifier_gives_the_logits,
     embeddings,
     head_keys,
     local_prototypes,
     rewrite_classifier_input,
 )
 from pfl_core.methods.expertise import dequantise, expertise_bound, quantise
-from pfl_core.methods.hypernetwork import HyperNetwork, hypernetwork_size, produce
+from pfl_core.methods.hypernetwork import HyperNetwork, hypernetwork_size, produce, refuse_if_larger_than_memory
 from pfl_core.methods.mixing import ClippedSGD, LearnedMix, elementwise_mix
 from pfl_core.methods.partial import (
     PartialModel,
@@ -115,8 +116,8 @@ __all__ = [
     # shared method machinery
     "AnchoredAveraging", "ClippedSGD", "CodistillParams", "DTYPES", "LearnedMix", "PartialModel", "PublicPredictionMethod",
     "SplitParams", "elementwise_mix",
-    "HyperNetwork", "hypernetwork_size", "produce",
-    "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "clone_keys", "dequantise",
+    "HyperNetwork", "hypernetwork_size", "produce", "refuse_if_larger_than_memory",
+    "WeightAveraging", "MutualPair", "aggregate_prototypes", "capture_embedding", "classifier", "classifier_gives_the_logits", "clone_keys", "dequantise",
     "distill", "embeddings", "expertise_bound", "head_keys", "kl_to_target", "KeepsOwnEntries", "load_personal", "local_prototypes",
     "mean_l1_distances", "model_key", "only_training", "partial_average", "per_run", "predict", "predict_logits",
     "probe_model", "probe_num_layers", "proximal_term", "quantise", "require_public", "rewrite_classifier_input", "require_single_architecture",

@@ -25,7 +25,7 @@ from pfl_core.engine import resolve
 from pfl_core.errors import SpecError
 from pfl_core.runtime.evaluation import evaluated_models
 from pfl_plugins.faults import upload_is_lost
-from pfl_plugins.fedgc import FedGCParams, classifier_gives_the_logits, correct_rows, correction_loss
+from pfl_plugins.fedgc import FedGCParams, correct_rows, correction_loss, linear_classifier_gives_the_logits
 
 BASE = {"algorithm.name": "fedgc", "model.params.hidden": [8]}
 BACKBONE = ["fc1.weight", "fc1.bias"]
@@ -269,15 +269,15 @@ def test_cli_dry_run_exits_2_naming_the_key(tmp_path, capsys):
 
 def test_only_a_linear_last_layer_that_outputs_the_logits_holds_class_embeddings():
     x = torch.randn(2, 3)
-    assert classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)), x)
-    assert not classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2), nn.Tanh()), x)
-    assert not classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5)), x)
+    assert linear_classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)), x)
+    assert not linear_classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2), nn.Tanh()), x)
+    assert not linear_classifier_gives_the_logits(nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5)), x)
 
 
 def test_a_model_whose_last_layer_is_not_the_output_is_refused_naming_the_model(monkeypatch):
     from pfl_plugins import fedgc
 
-    monkeypatch.setattr(fedgc, "classifier_gives_the_logits", lambda model, x: False)
+    monkeypatch.setattr(fedgc, "linear_classifier_gives_the_logits", lambda model, x: False)
     with pytest.raises(SpecError) as info:
         prepared(**BASE)
     assert info.value.path == "model.name"

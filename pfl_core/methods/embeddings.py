@@ -14,6 +14,23 @@ def classifier(model: nn.Module) -> nn.Module:
     return parameterised_layers(model)[-1][1]
 
 
+
+def classifier_gives_the_logits(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the output of ``model``'s last parameterised layer is the model's output on ``x``
+    (no activation or layer after the classifier); the model's mode is restored."""
+    seen = {}
+    handle = classifier(model).register_forward_hook(lambda m, inp, out: seen.__setitem__("out", out))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(x)
+    finally:
+        handle.remove()
+        model.train(was)
+    out = seen.get("out")
+    return out is not None and out.shape == logits.shape and torch.equal(out, logits)
+
 class capture_embedding:
     """Context manager: ``store["emb"]`` is the classifier's input after every forward."""
 

@@ -5,10 +5,13 @@ descriptor from an embedding network)."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from pfl_core.errors import SpecError
 
 
 class HyperNetwork(nn.Module):
@@ -39,6 +42,20 @@ def hypernetwork_size(num_clients: int, embed_dim: int, hidden_dim: int, hidden_
     mlp = (embed_dim + 1) * hidden_dim + hidden_layers * (hidden_dim + 1) * hidden_dim
     return num_clients * embed_dim + mlp + (hidden_dim + 1) * produced
 
+
+
+def refuse_if_larger_than_memory(size: int, hidden_dim: int, key: str) -> None:
+    """A hypernetwork of ``size`` parameters is refused at ``key`` (its ``hidden_dim``) before it is
+    allocated when about four float32 copies of it (the network, the stepped one and the
+    optimiser's state) exceed this machine's memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return
+    if 4 * 4 * size > memory:
+        raise SpecError(key, f"the hypernetwork would have {size:.3g} parameters (hidden_dim = {hidden_dim} per "
+                             f"produced weight), about {16 * size / 2**30:.3g} GiB on the server with its optimiser "
+                             f"state, more than this machine's {memory / 2**30:.1f} GiB; lower hidden_dim")
 
 def produce(hypernetwork: HyperNetwork, phi: dict[str, torch.Tensor], v: torch.Tensor) -> dict[str, torch.Tensor]:
     """theta = h(v; phi), phi given as a state dict (the module supplies only the structure)."""

@@ -98,6 +98,7 @@ from pfl_core.api import (
     SpecError,
     at_least,
     classifier,
+    classifier_gives_the_logits,
     finite,
     head_keys,
     hookimpl,
@@ -115,21 +116,9 @@ class FedGCParams:
                "(eta_s = lam * training.lr); 0: no correction. Default: PFLlib's 1.0"})
 
 
-def classifier_gives_the_logits(model: nn.Module, x: torch.Tensor) -> bool:
+def linear_classifier_gives_the_logits(model: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``model``'s last parameterised layer is a linear layer whose output is the model's output."""
-    layer, seen = classifier(model), {}
-    if not isinstance(layer, nn.Linear):
-        return False
-    handle = layer.register_forward_hook(lambda m, inp, out: seen.__setitem__("out", out))
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(x)
-    finally:
-        handle.remove()
-        model.train(was)
-    return "out" in seen and seen["out"].shape == logits.shape and torch.equal(seen["out"], logits)
+    return isinstance(classifier(model), nn.Linear) and classifier_gives_the_logits(model, x)
 
 
 def own_classes(client) -> torch.Tensor:
@@ -222,7 +211,7 @@ class FedGC(KeepsOwnEntries):
         arch = ctx.models.arch_of(0)
         model = ctx.models.working(arch)
         probe = ctx.data.clients[ctx.training_clients[0]].train_x[:2]
-        if not classifier_gives_the_logits(model, probe):
+        if not linear_classifier_gives_the_logits(model, probe):
             raise SpecError(model_key(ctx.spec), f"fedgc's class embeddings are the rows of a linear classifier "
                                                  f"whose output is the model's logits; {arch}'s last layer is not one")
         initial = ctx.models.initial_state(arch)
@@ -296,5 +285,5 @@ class FedGC(KeepsOwnEntries):
         return {"": OwnClassesOnly(self.load_received(ctx, client, message), own_classes(client))}
 
 
-__all__ = ["FedGC", "FedGCParams", "OwnClassesOnly", "classifier_gives_the_logits", "correct_rows", "correction_loss",
+__all__ = ["FedGC", "FedGCParams", "OwnClassesOnly", "linear_classifier_gives_the_logits", "correct_rows", "correction_loss",
            "own_class_logits", "own_classes"]

@@ -65,6 +65,7 @@ from pfl_core.api import (
     SpecError,
     capture_embedding,
     classifier,
+    classifier_gives_the_logits,
     clone_keys,
     head_keys,
     hookimpl,
@@ -113,22 +114,6 @@ class PersonalizedLogits(nn.Module):
         with capture_embedding(self.model, store):
             logits = self.model(x)
         return logits + self.head(store["emb"])
-
-
-def classifier_gives_the_logits(model, x) -> bool:
-    """Whether the output of ``model``'s last parameterised layer is the model's output."""
-    store = {}
-    handle = classifier(model).register_forward_hook(lambda m, inp, out: store.__setitem__("out", out))
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(x)
-    finally:
-        handle.remove()
-        model.train(was)
-    out = store.get("out")
-    return out is not None and out.shape == logits.shape and torch.equal(out, logits)
 
 
 class FedRoD(FedAvg):

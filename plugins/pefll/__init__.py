@@ -72,7 +72,6 @@ Decisions and deviations:
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -93,6 +92,7 @@ from pfl_core.api import (
     model_key,
     per_run,
     produce,
+    refuse_if_larger_than_memory,
     spec_archs,
 )
 
@@ -218,15 +218,7 @@ class PeFLL(KeepsOwnEntries):
         p = self.params
         produced = sum(math.prod(s) for s in self.produced(ctx, ctx.models.arch_of(0)).values())
         size = hypernetwork_size(0, self.embed_dim(ctx.num_clients), p.hidden_dim, p.hidden_layers, produced)
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, ValueError, OSError):  # not on this platform
-            return
-        if 4 * 4 * size > memory:
-            raise SpecError(f"{self.spec_path}.params.hidden_dim",
-                            f"the hypernetwork would have {size:.3g} parameters (hidden_dim = {p.hidden_dim} per "
-                            f"produced weight), about {16 * size / 2**30:.3g} GiB on the server with Adam's state, "
-                            f"more than this machine's {memory / 2**30:.1f} GiB; lower hidden_dim")
+        refuse_if_larger_than_memory(size, p.hidden_dim, f"{self.spec_path}.params.hidden_dim")
 
     def networks_message(self, ctx) -> dict:
         return {"embedding_net": ctx.server["phi"], "hypernetwork": ctx.server["eta"]}

@@ -93,7 +93,6 @@ Decisions and deviations:
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -117,6 +116,7 @@ from pfl_core.api import (
     per_run,
     probe_num_layers,
     produce,
+    refuse_if_larger_than_memory,
     spec_archs,
 )
 
@@ -237,15 +237,7 @@ class PFedHN(KeepsOwnEntries):
         p = self.params
         size = hypernetwork_size(ctx.num_clients, self.embed_dim(ctx.num_clients), p.hidden_dim, p.hidden_layers,
                                  sum(math.prod(s) for s in produced.values()))
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, ValueError, OSError):  # not on this platform
-            return
-        if 4 * 4 * size > memory:
-            raise SpecError(f"{self.spec_path}.params.hidden_dim",
-                            f"the hypernetwork would have {size:.3g} parameters (hidden_dim = {p.hidden_dim} per "
-                            f"produced weight), about {16 * size / 2**30:.3g} GiB on the server with its optimiser "
-                            f"state, more than this machine's {memory / 2**30:.1f} GiB; lower hidden_dim")
+        refuse_if_larger_than_memory(size, p.hidden_dim, f"{self.spec_path}.params.hidden_dim")
 
     def produced_for(self, ctx, client_id: int) -> dict[str, torch.Tensor]:
         """theta_i = h(v_i; phi); a cold-start client's v is the training clients' mean embedding."""
