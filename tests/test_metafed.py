@@ -248,11 +248,12 @@ def test_a_coldstart_client_starts_from_the_model_handed_on():
     assert "coldstart_acc_mean" in result.final
 
 
-def test_the_declared_budget_is_what_a_mean_client_trains():
-    """warm-up 2 + 1 epoch x (5 hops over 4 clients + the personalization) = 4.25 epochs."""
-    result, engine = run_tiny(**BASE, **{"experiment.rounds": 7})
+@pytest.mark.parametrize("rounds, hops", [(7, 5), (2, 0)])  # 2 rounds: the warm-up, then the personalization
+def test_the_declared_budget_is_what_a_mean_client_trains(rounds, hops):
+    """warm-up 2 + 1 epoch x (hops over 4 clients + the personalization): 4.25 epochs at 7 rounds."""
+    result, engine = run_tiny(**BASE, **{"experiment.rounds": rounds})
     declared = engine.resolved.as_dict["budget"]
-    assert declared["private_epochs"] == pytest.approx(2 + 5 / 4 + 1)
+    assert declared["private_epochs"] == pytest.approx(2 + hops / 4 + 1)
     assert result.history[-1]["budget.private_epochs"] == pytest.approx(declared["private_epochs"])
 
 
