@@ -3,6 +3,9 @@
 import gc
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,6 +187,39 @@ def test_after_close_the_spill_folder_is_gone_and_states_in_memory_stay():
     assert torch.equal(store[1]["w"], torch.zeros(1))
     with pytest.raises(PflError, match="client 0's state was spilled"):
         store[0]
+
+
+SPILLING_OWNER = """
+import os, signal, sys, torch
+from pfl_core.state.store import ClientStore
+store = ClientStore(2, cache_clients=1, spill_dir=sys.argv[1])
+store[0]["w"] = torch.ones(1)
+store[1]  # client 0 spilled: the spill folder exists
+print(store.spill_folder, flush=True)
+{ending}
+"""
+
+
+@pytest.mark.skipif(store_module.fcntl is None, reason="needs fcntl (flock): not on Windows")
+def test_a_killed_runs_spill_folder_is_removed_by_the_next_store_and_a_live_runs_kept(tmp_path):
+    killed = subprocess.run([sys.executable, "-c", SPILLING_OWNER.format(ending="os.kill(os.getpid(), signal.SIGKILL)"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=300)
+    abandoned = Path(killed.stdout.strip())
+    assert killed.returncode == -9 and abandoned.is_dir()  # SIGKILL: no finalizer ran
+    live = subprocess.Popen([sys.executable, "-c", SPILLING_OWNER.format(ending="sys.stdin.read()"), str(tmp_path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    live_folder = Path(live.stdout.readline().strip())
+    older = tmp_path / "pfl-state-older"  # no lock file (an older pfl, or one being made): not ours to judge
+    older.mkdir()
+    store = ClientStore(2, cache_clients=1, spill_dir=tmp_path)
+    store[0]["w"] = torch.ones(1)
+    store[1]
+    assert not abandoned.exists()
+    assert live_folder.is_dir() and older.is_dir() and store.spill_folder.is_dir()
+    live.communicate("", timeout=300)
+    assert live.returncode == 0 and not live_folder.exists()  # its owner removed it on the way out
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pfl-state-older"]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

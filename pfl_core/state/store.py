@@ -26,7 +26,11 @@ none. An empty state has no file.
 
 The spill folder (``pfl-state-*``) is removed by :meth:`ClientStore.close` (the engine calls
 it at the end of a run), or when the store is collected or the interpreter exits, only ever
-by the process that made it; a process killed outright leaves it behind.
+by the process that made it. A process killed outright leaves it behind; the next store that
+makes a spill folder in the same place removes it: each folder holds an ``flock`` on its
+``.owner.lock`` for as long as its process (or a forked worker of it) lives, and only a folder
+whose lock nobody holds is removed (a lock works across processes and containers sharing the
+folder, where a process id would not; a folder without the lock file is left alone).
 
 Spilled tensors are loaded back on the store's ``device``; a state file keeps dtypes, shapes,
 nesting (dict, list, tuple; int or str keys) and plain values exactly (numpy scalars come back
@@ -44,6 +48,11 @@ import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: spill folders of killed runs are not swept
+    fcntl = None
 
 import numpy as np
 import torch
@@ -359,17 +368,60 @@ class ClientStore:
         if self._spill is None:
             if self._spill_parent:
                 Path(self._spill_parent).mkdir(parents=True, exist_ok=True)
-            self._spill = Path(tempfile.mkdtemp(prefix="pfl-state-", dir=self._spill_parent))
+            remove_abandoned_spills(Path(self._spill_parent or tempfile.gettempdir()))
+            self._spill = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=self._spill_parent))
+            lock = _hold_owner_lock(self._spill)
             # Removed by close(), or when the store is collected or the interpreter exits.
-            self._cleanup = weakref.finalize(self, _remove_spill, self._spill, os.getpid())
+            self._cleanup = weakref.finalize(self, _remove_spill, self._spill, os.getpid(), lock)
         return self._spill / f"{client_id}{SUFFIX}"
 
 
-def _remove_spill(folder: Path, owner_pid: int) -> None:
+def _remove_spill(folder: Path, owner_pid: int, lock: int | None = None) -> None:
     """Remove the spill folder, from the process that made it only: a forked worker process
     holds a copy of the store, and its copy going away must not take the folder with it."""
     if os.getpid() == owner_pid:
         shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
+SPILL_PREFIX = "pfl-state-"
+OWNER_LOCK = ".owner.lock"
+
+
+def _hold_owner_lock(folder: Path) -> int | None:
+    """Take the exclusive ``flock`` that marks ``folder`` as in use, for this process's life (its
+    forked workers share it). Locked under another name, then renamed: a sweeping process never
+    sees the lock file unlocked. None where ``fcntl`` is missing (Windows: nothing is swept)."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder / (OWNER_LOCK + ".new"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+    os.replace(folder / (OWNER_LOCK + ".new"), folder / OWNER_LOCK)
+    return fd
+
+
+def remove_abandoned_spills(parent: Path) -> list[Path]:
+    """Remove the spill folders in ``parent`` whose owner is gone (a process killed outright):
+    those with a lock file nobody holds. Folders without one (being created, or made by an
+    older pfl) and folders this process may not open are left alone. Returns the removed."""
+    removed = []
+    if fcntl is None:
+        return removed
+    for folder in parent.glob(SPILL_PREFIX + "*"):
+        try:
+            fd = os.open(folder / OWNER_LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its run is alive
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)
+        removed.append(folder)
+    return removed
 
 
 def _tensor_bytes(state) -> int:
